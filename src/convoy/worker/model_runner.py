@@ -1,0 +1,111 @@
+"""One step's scheduled sequences -> flat tensors (ids, positions, slot mapping, block tables) -> logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from convoy.worker.attention import AttentionMetadata, PrefillSeq
+from convoy.worker.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """What the runner needs of one sequence in a step: plain data, no engine objects."""
+
+    token_ids: list[int]  # the new tokens to compute this step
+    start_pos: int  # tokens of this sequence already in the cache
+    block_table: list[int]
+    need_logits: bool  # does the last new token sample (False for a non-final prefill chunk)
+    prompt_logits_from: int | None = None  # also return logits from this new-token index on
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    logits: torch.Tensor  # (N, vocab) fp32: one row per sequence with need_logits, in order
+    prompt_logits: list[torch.Tensor | None]  # per scheduled seq: (k, vocab) rows or None
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+        layers = model.model.layers  # type: ignore[union-attr]
+        for i, layer in enumerate(layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache.layer(i)
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[ScheduledSeq]) -> RunnerOutput:
+        input_ids, positions, meta = self.prepare(seqs)
+        hidden = self.model(input_ids, positions, meta)
+        rows: list[int] = []
+        prompt_spans: list[tuple[int, int] | None] = []
+        offset = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            if s.prompt_logits_from is not None and s.prompt_logits_from < n:
+                prompt_spans.append((offset + s.prompt_logits_from, offset + n))
+            else:
+                prompt_spans.append(None)
+            if s.need_logits:
+                rows.append(offset + n - 1)
+            offset += n
+        logits = self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+        prompt_logits = [
+            None if span is None else self.model.compute_logits(hidden[span[0] : span[1]])  # type: ignore[operator]
+            for span in prompt_spans
+        ]
+        return RunnerOutput(logits=logits, prompt_logits=prompt_logits)
+
+    def prepare(
+        self, seqs: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_map: list[int] = []
+        prefills: list[PrefillSeq] = []
+        decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for s in seqs:
+            start, n, table = s.start_pos, len(s.token_ids), s.block_table
+            flat = len(ids)
+            ids.extend(s.token_ids)
+            pos.extend(range(start, start + n))
+            slot_map.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                decode_idx.append(flat)
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                ctx = start + n
+                slots = self._slots([table], ctx)[0] if start > 0 else torch.empty(0)
+                prefills.append(PrefillSeq(flat, flat + n, ctx, slots))
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_map, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            prefills=prefills,
+            decode_idx=None,
+            decode_slots=None,
+            decode_lens=None,
+        )
+        if decode_idx:
+            meta.decode_idx = torch.tensor(decode_idx, dtype=torch.long, device=dev)
+            meta.decode_slots = self._slots(decode_tables, max(decode_lens))
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta.positions, meta
+
+    def _slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """(B, length) cache slot of every token position 0..length-1 of each block table."""
+        bs = self.block_size
+        num_blocks = (length + bs - 1) // bs
+        padded = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
+        bt = torch.tensor(padded, dtype=torch.long, device=self.device)  # (B, nb)
+        offsets = torch.arange(bs, dtype=torch.long, device=self.device)
+        return (bt.unsqueeze(-1) * bs + offsets).view(len(tables), -1)[:, :length]
