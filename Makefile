@@ -33,7 +33,7 @@ serve: install
 	$(VENV)/bin/convoy generate "$(PROMPT)" $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 lint: install-test
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests $(wildcard bench)
 	$(VENV)/bin/mypy
 
 test: install-test lint

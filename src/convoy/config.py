@@ -127,3 +127,42 @@ def _scaling(params: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     kind = params.get("rope_type") or params.get("type") or "default"
     return None if kind == "default" else {**params, "rope_type": kind}
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 2 << 30  # bytes for K/V blocks; the pool is sized from this budget
+    num_blocks: int | None = None  # set directly to override the memory budget (tests)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.kv_cache_memory <= 0:
+            raise ConfigError("block_size and kv_cache_memory must be positive")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None = the model's context length
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # short name, .gguf path or HF folder; None = the default model
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "fp32", "bf16"):
+            raise ConfigError(f"unsupported dtype {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"unsupported device {self.device!r}")

@@ -1,0 +1,160 @@
+"""KV block pool: allocation, reference counts and automatic prefix caching. No tensors here.
+
+A request's block table maps its token positions to fixed-size blocks of KV slots:
+
+    tokens      [ t0 .. t15 | t16 .. t31 | t32 .. t37 ______ ]    block_size = 16
+    block_table [     7     |     2      |      9            ]
+
+A full prompt block is identified by a hash chained with everything before it,
+h_i = hash((h_{i-1}, tokens of block i)), so equal hashes mean equal prefixes. Once a block's
+tokens are in the cache its hash is registered; a later request whose prompt starts with the same
+blocks takes references on them instead of recomputing them. Freed blocks keep their hash until
+they are handed out again (least recently freed first), so a finished prompt's prefix stays
+reusable while memory allows.
+
+A block being computed but not yet in the cache is *pending*: the scheduler holds back a request
+whose next prompt block is pending for one step and then reuses it (n samples of one prompt, a
+shared few-shot header across a batch) instead of computing it a second time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from convoy.engine.request import Request
+
+
+def hash_prompt_blocks(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of a prompt."""
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block holds a computed full prompt block
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # NOTE: insertion order = eviction order (least recently freed first).
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id (computed blocks)
+        self._pending: dict[int, str] = {}  # block hash -> req_id computing it
+        self._num_registered: dict[str, int] = {}  # req_id -> prompt blocks registered so far
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Cached blocks that hold a prefix of the request's prompt (at least one token is left
+        to compute, so the last prompt position still produces logits)."""
+        if not self.enable_prefix_caching or req.wants_prompt_logprobs:
+            return []
+        limit = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in req.block_hashes[:limit]:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def is_prefix_pending(self, req: Request, num_hits: int) -> bool:
+        """Is the request's first uncached prompt block being computed by another request?"""
+        if not self.enable_prefix_caching or req.wants_prompt_logprobs:
+            return False
+        limit = (req.num_tokens - 1) // self.block_size
+        if num_hits >= min(limit, len(req.block_hashes)):
+            return False
+        owner = self._pending.get(req.block_hashes[num_hits])
+        return owner is not None and owner != req.req_id
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+        """Grow the block table to hold `num_new_tokens` more tokens, after `cached` prefix blocks.
+
+        Returns False, changing nothing, when there are not enough free blocks.
+        """
+        cached = cached or []
+        num_tokens = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        needed = -(-num_tokens // self.block_size) - len(req.block_table) - len(cached)
+        reusable_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        if needed > len(self._free) - reusable_free:
+            return False
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            req.block_table.append(block_id)
+        if cached:
+            self._num_registered[req.req_id] = len(cached)
+        for _ in range(max(needed, 0)):
+            req.block_table.append(self._take_free_block())
+        self._mark_pending(req)
+        return True
+
+    def cache_computed(self, req: Request) -> None:
+        """Register the request's prompt blocks whose tokens are now all in the cache."""
+        if not self.enable_prefix_caching:
+            return
+        done = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        start = self._num_registered.get(req.req_id, 0)
+        for i in range(start, done):
+            block_hash = req.block_hashes[i]
+            if self._pending.get(block_hash) == req.req_id:
+                del self._pending[block_hash]
+            if block_hash not in self._cached:
+                self._cached[block_hash] = req.block_table[i]
+                self.blocks[req.block_table[i]].block_hash = block_hash
+        self._num_registered[req.req_id] = max(start, done)
+
+    def free(self, req: Request) -> None:
+        """Drop the request's references; blocks nobody holds go back to the free list."""
+        for block_id in reversed(req.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        req.block_table = []
+        self._num_registered.pop(req.req_id, None)
+        for block_hash in req.block_hashes:
+            if self._pending.get(block_hash) == req.req_id:
+                del self._pending[block_hash]
+
+    def _take_free_block(self) -> int:
+        block_id = next(iter(self._free))
+        del self._free[block_id]
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict its prefix-cache entry
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _mark_pending(self, req: Request) -> None:
+        if not self.enable_prefix_caching or req.wants_prompt_logprobs:
+            return
+        num_blocks = min(len(req.block_table), len(req.block_hashes))
+        for i in range(self._num_registered.get(req.req_id, 0), num_blocks):
+            block_hash = req.block_hashes[i]
+            if block_hash not in self._cached and block_hash not in self._pending:
+                self._pending[block_hash] = req.req_id

@@ -1,0 +1,156 @@
+"""The one loop over a step's sampled tokens: append, detokenize, check stop conditions.
+
+Text is decoded incrementally against a few tokens of context, and a delta is released only when
+it does not end in a broken UTF-8 sequence (U+FFFD). Stop strings are searched in the text and
+cut off (with everything after them); while stop strings are set, the last
+`max(len(stop)) - 1` characters are held back from streaming, since they may be the start of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from convoy.engine.request import Request
+from convoy.engine.tokenizer import Tokenizer
+from convoy.outputs import FinishReason, PositionLogprobs
+
+_CONTEXT_TOKENS = 6
+
+
+@dataclass(slots=True)
+class Detokenizer:
+    """Incremental decoding of one sequence's output tokens."""
+
+    tokenizer: Tokenizer
+    skip_special_tokens: bool
+    tokens: list[int] = field(default_factory=list)  # a little prompt context, then the output
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+
+    @classmethod
+    def for_prompt(cls, tokenizer: Tokenizer, prompt: list[int], skip_special: bool) -> Detokenizer:
+        context = prompt[-_CONTEXT_TOKENS:]
+        return cls(tokenizer, skip_special, list(context), 0, len(context))
+
+    def add(self, token_id: int) -> str:
+        self.tokens.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(
+            self.tokens[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
+        full = decode(self.tokens[self.prefix_offset :], self.skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            self.text += delta
+            return delta
+        return ""
+
+
+@dataclass(slots=True)
+class SeqState:
+    """Per-sequence output state kept beside the Request."""
+
+    detok: Detokenizer
+    hold: int  # characters held back for a possible stop string
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    num_emitted_logprobs: int = 0
+
+
+@dataclass(slots=True)
+class SeqDelta:
+    """What one sequence gained this step (or its full state, for cumulative outputs)."""
+
+    req: Request
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finished: bool
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.states: dict[str, SeqState] = {}
+
+    def add(self, req: Request) -> None:
+        p = req.params
+        detok = Detokenizer.for_prompt(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
+        hold = max((len(s) for s in p.stop), default=1) - 1
+        self.states[req.req_id] = SeqState(detok, hold)
+
+    def remove(self, req: Request) -> None:
+        self.states.pop(req.req_id, None)
+
+    def append_token(self, req: Request, token_id: int) -> None:
+        """Append a sampled token, then finish the sequence if a stop condition holds."""
+        req.token_ids.append(token_id)
+        state = self.states[req.req_id]
+        state.detok.add(token_id)
+        reason, stop = self._check_stop(req, token_id, state)
+        if reason is not None:
+            req.finish_reason, req.stop_reason = reason, stop
+
+    def delta(self, req: Request) -> SeqDelta:
+        """What the sequence has not reported yet (all of it, once finished)."""
+        state = self.states[req.req_id]
+        finished = req.finish_reason is not None
+        text = state.detok.text
+        end = len(text) if finished else max(state.num_emitted_chars, len(text) - state.hold)
+        out_ids = req.output_token_ids
+        logprobs = (
+            req.logprobs[state.num_emitted_logprobs :] if req.params.logprobs is not None else None
+        )
+        delta = SeqDelta(
+            req,
+            text[state.num_emitted_chars : end],
+            out_ids[state.num_emitted_tokens :],
+            logprobs,
+            finished,
+        )
+        state.num_emitted_chars, state.num_emitted_tokens = end, len(out_ids)
+        state.num_emitted_logprobs = len(req.logprobs)
+        return delta
+
+    def text(self, req: Request) -> str:
+        return self.states[req.req_id].detok.text
+
+    def _check_stop(
+        self, req: Request, token_id: int, state: SeqState
+    ) -> tuple[FinishReason | None, int | str | None]:
+        p = req.params
+        num_out = req.num_output_tokens
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP, None
+            if token_id in p.stop_token_ids:
+                return FinishReason.STOP, token_id
+            if p.stop:
+                hit = self._find_stop(state, p.stop, p.include_stop_str_in_output)
+                if hit is not None:
+                    return FinishReason.STOP, hit
+        if p.max_tokens is not None and num_out >= p.max_tokens:
+            return FinishReason.LENGTH, None
+        if req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    @staticmethod
+    def _find_stop(state: SeqState, stops: list[str], include: bool) -> str | None:
+        text = state.detok.text
+        # Only the tail can hold a new match: the last delta plus a stop string's length.
+        start = max(0, state.num_emitted_chars - max(len(s) for s in stops))
+        best: tuple[int, str] | None = None
+        for s in stops:
+            pos = text.find(s, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return None
+        pos, s = best
+        state.detok.text = text[: pos + len(s)] if include else text[:pos]
+        return s

@@ -1,0 +1,67 @@
+"""One sequence in the engine: its tokens, how many are in the KV cache, its blocks and status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from convoy.outputs import FinishReason, PositionLogprobs
+from convoy.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    group_id: str  # the API request this sequence belongs to (fair scheduling)
+    arrival: float
+    seed: int | None = None  # per-sequence sampling seed (a child of a seeded request gets its own)
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    # NOTE: invariant num_computed_tokens <= len(token_ids); the scheduler closes the gap each step.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first schedule
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the full prompt blocks
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None

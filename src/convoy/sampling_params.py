@@ -1,0 +1,109 @@
+"""SamplingParams: how one prompt is continued. Validated on construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    """A sampling value is out of range; `param` names the OpenAI request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every output carries the whole text so far
+    DELTA = "delta"  # every output carries only what is new (streaming)
+    FINAL_ONLY = "final_only"  # one output, when the request ends
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None  # generate best_of, return the n with the highest cumulative logprob
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None = up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-k logprobs per generated token (the sampled one always too)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (echo / scoring)
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences generated for one prompt: best_of when set, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def _validate(self) -> None:
+        _check(self.n >= 1, "n must be at least 1", "n")
+        if self.best_of is not None:
+            _check(self.best_of >= self.n, "best_of must be greater than or equal to n", "best_of")
+        _check(self.temperature >= 0, "temperature must be non-negative", "temperature")
+        _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
+        _check(self.top_k >= 0, "top_k must be -1 (off) or a positive integer", "top_k")
+        _check(0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty must be in [-2, 2]",
+            "presence_penalty",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty must be in [-2, 2]",
+            "frequency_penalty",
+        )
+        _check(
+            self.repetition_penalty > 0, "repetition_penalty must be positive", "repetition_penalty"
+        )
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(
+                -100 <= bias <= 100,
+                f"logit_bias for {token_id} must be in [-100, 100]",
+                "logit_bias",
+            )
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 0, "max_tokens must be non-negative", "max_tokens")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens must not exceed max_tokens",
+                "min_tokens",
+            )
+        _check(self.min_tokens >= 0, "min_tokens must be non-negative", "min_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(0 <= value <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}]", name)
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise SamplingParamsError(message, param)

@@ -1,0 +1,98 @@
+"""Worker: owns the device, the model, the KV cache tensors, the runner and the sampler."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from convoy.config import EngineConfig
+from convoy.models.loader import load_model, resolve_model
+from convoy.outputs import PositionLogprobs
+from convoy.worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from convoy.worker.model_runner import ModelRunner, ScheduledSeq
+from convoy.worker.sampler import SamplerRow, prompt_logprobs, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PromptScoring:
+    """Prompt logprobs wanted from one scheduled sequence this step."""
+
+    first: int  # position of the first prompt token to score
+    targets: list[int]  # the prompt tokens to score, from `first` on
+    k: int
+
+
+@dataclass(slots=True)
+class WorkerOutput:
+    sampled: list[tuple[int, float | None, PositionLogprobs | None]]  # per sampling row
+    prompt_logprobs: list[list[PositionLogprobs] | None]  # per scheduled sequence
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name in ("float32", "fp32"):
+        return torch.float32
+    if name in ("bfloat16", "bf16"):
+        return torch.bfloat16
+    # auto: bf16 where the hardware has it (batched steps run ~2x faster on this kind of CPU)
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if torch.backends.mkldnn.is_available() else torch.float32
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        resolved = resolve_model(config.model)
+        self.model_name = resolved.name
+        self.model_path = resolved.weights_path
+        self.model_dir = resolved.model_dir
+        self.model_config = resolved.config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = load_model(resolved, self.dtype, self.device)
+        cache = config.cache
+        self.num_blocks = cache.num_blocks or num_blocks_for_budget(
+            resolved.config, cache.kv_cache_memory, cache.block_size, self.dtype
+        )
+        kv = allocate_kv_cache(
+            resolved.config, self.num_blocks, cache.block_size, self.dtype, self.device
+        )
+        self.runner = ModelRunner(self.model, kv, self.device)
+        logger.info(
+            "loaded %s (%s) on %s in %s; %d KV blocks of %d tokens",
+            self.model_name, resolved.config.architecture, self.device, self.dtype,
+            self.num_blocks, cache.block_size,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        seqs: list[ScheduledSeq],
+        rows: list[SamplerRow],
+        scoring: list[PromptScoring | None],
+    ) -> WorkerOutput:
+        """Run one step; `rows` holds one entry per sequence with need_logits, in order."""
+        out = self.runner.execute(seqs)
+        sampled = sample(out.logits, rows)
+        result = [
+            (t, lp, pos)
+            for t, lp, pos in zip(
+                sampled.token_ids, sampled.sampled_logprobs, sampled.logprobs, strict=True
+            )
+        ]
+        scored: list[list[PositionLogprobs] | None] = []
+        for score, logits in zip(scoring, out.prompt_logits, strict=True):
+            if score is None or logits is None:
+                scored.append(None)
+            else:
+                scored.append(prompt_logprobs(logits[: len(score.targets)], score.targets, score.k))
+        return WorkerOutput(result, scored)
