@@ -28,9 +28,8 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
-PROMPT ?= The capital of France is
 serve: install
-	$(VENV)/bin/convoy generate "$(PROMPT)" $(if $(MODEL),--model $(MODEL)) $(ARGS)
+	$(VENV)/bin/convoy serve $(MODEL) $(ARGS)
 
 lint: install-test
 	$(VENV)/bin/ruff check src tests $(wildcard bench)

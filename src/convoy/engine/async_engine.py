@@ -115,6 +115,11 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._wakeup.notify()
 
+    @property
+    def is_running(self) -> bool:
+        """Is the step loop alive (for health checks)?"""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
     def stats(self) -> EngineStats:
         return self.core.stats()
 

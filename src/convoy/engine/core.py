@@ -32,10 +32,15 @@ class EngineCore:
         self.model_name: str = self.worker.model_name
         model_cfg = self.worker.model_config
         self.tokenizer = Tokenizer(self.worker.model_dir, model_cfg.model_type)
-        self.max_model_len = config.scheduler.max_model_len or model_cfg.max_position_embeddings
         self.vocab_size = model_cfg.vocab_size
         self.block_manager = BlockManager(
             self.worker.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        # NOTE: one sequence must always fit in the pool, or preempting it could never help.
+        self.max_model_len = min(
+            config.scheduler.max_model_len or model_cfg.max_position_embeddings,
+            model_cfg.max_position_embeddings,
+            self.worker.num_blocks * config.cache.block_size,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = self._eos_ids()
@@ -57,14 +62,16 @@ class EngineCore:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise SamplingParamsError(f"token ids must be in [0, {self.vocab_size})", "prompt")
-        for token_id in list(params.logit_bias or {}) + params.stop_token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise SamplingParamsError(
-                    f"token id {token_id} is outside the vocabulary", "logit_bias"
-                )
-        needed = -(-len(prompt_token_ids) // self.block_manager.block_size)
-        if needed > self.block_manager.num_blocks:
-            raise SamplingParamsError("the prompt does not fit in the KV cache", "prompt")
+        checks = (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("stop_token_ids", params.stop_token_ids),
+        )
+        for param, token_ids in checks:
+            for token_id in token_ids:
+                if not 0 <= token_id < self.vocab_size:
+                    raise SamplingParamsError(
+                        f"token id {token_id} is outside the vocabulary", param
+                    )
 
     def add_fanout(self, fanout: FanOut) -> None:
         for req in fanout.make_children():
@@ -163,14 +170,18 @@ class EngineCore:
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk that does not reach the end of the prompt
             token_id, token_lp, position_lp = next(rows)
-            if token_lp is not None:
-                req.cumulative_logprob += token_lp
-            if position_lp is not None:
-                req.logprobs.append(position_lp)
+            if req.params.max_tokens != 0:
+                if token_lp is not None:
+                    req.cumulative_logprob += token_lp
+                if position_lp is not None:
+                    req.logprobs.append(position_lp)
             if req.first_token_time is None:
                 req.first_token_time = now
-            self.output.append_token(req, token_id)
-            self.num_generation_tokens += 1
+            if req.params.max_tokens == 0:  # scoring only: the prompt is computed, nothing sampled
+                req.finish_reason = FinishReason.LENGTH
+            else:
+                self.output.append_token(req, token_id)
+                self.num_generation_tokens += 1
             fanout = self.fanout_of[req.req_id]
             touched.setdefault(id(fanout), (fanout, []))[1].append(self.output.delta(req))
         finished: list[str] = []

@@ -97,13 +97,13 @@ class Scheduler:
             group = self._next_group(held_back)
             if group is None:
                 return
-            if len(self.running) >= self.max_num_seqs and not self._make_room(group, out):
-                return
             req = self.waiting[group][0]
             cached = self.bm.get_computed_blocks(req)
             if self.bm.is_prefix_pending(req, len(cached)):
                 held_back.add(group)  # reuse that block next step instead of computing it twice
                 continue
+            if len(self.running) >= self.max_num_seqs and not self._make_room(group, out):
+                return
             num_new = min(req.num_tokens - len(cached) * self.bm.block_size, budget)
             if not self.bm.allocate(req, num_new, cached):
                 return

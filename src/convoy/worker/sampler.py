@@ -37,7 +37,8 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
     """logits: (N, V) fp32 raw model logits, one row per sequence that samples."""
     raw = logits
-    logits = _apply_processors(logits.clone(), rows)
+    if any(_has_processors(r) for r in rows):
+        logits = _apply_processors(logits.clone(), rows)
     tokens = torch.empty(len(rows), dtype=torch.long)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     if greedy:
@@ -75,6 +76,16 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[Po
     """Logprobs of each target token under the logits of the position before it."""
     lp = torch.log_softmax(logits, dim=-1)
     return [position_logprobs(lp[i], t, k) for i, t in enumerate(targets)]
+
+
+def _has_processors(r: SamplerRow) -> bool:
+    p = r.params
+    return bool(
+        p.logit_bias
+        or (len(r.output_token_ids) < p.min_tokens and r.stop_ids)
+        or p.repetition_penalty != 1.0
+        or ((p.presence_penalty or p.frequency_penalty) and r.output_token_ids)
+    )
 
 
 def _apply_processors(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:

@@ -1,0 +1,244 @@
+"""The FastAPI app: settings, lifespan (the engine lives on app.state), thin routes.
+
+client --> RequestLog --> APIKey --> BodyLimit --> routes --> CompletionServing / ChatServing
+                                                                    |
+                                                          EngineClient --> AsyncEngine
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from convoy.api.engine_client import EngineClient, ServingLimits
+from convoy.api.errors import APIError, install_error_handlers
+from convoy.api.metrics import RequestRecord, ServerMetrics
+from convoy.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
+from convoy.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from convoy.api.serving_chat import ChatServing, render_chat
+from convoy.api.serving_completion import CompletionServing
+from convoy.config import CacheConfig, EngineConfig, SchedulerConfig
+
+if TYPE_CHECKING:
+    from convoy.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+try:
+    VERSION = importlib.metadata.version("convoy")
+except importlib.metadata.PackageNotFoundError:  # running from a source tree, not installed
+    VERSION = "0.0.0+unknown"
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """Everything `convoy serve` configures; the CLI builds it, tests and benchmarks may too."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    served_model_name: str | None = None  # default: the engine's model name
+    api_key: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_memory: int = 2 << 30
+    max_prompts_per_request: int = 1024
+    max_queue: int | None = None
+    max_request_bytes: int = 32 << 20
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            cache=CacheConfig(kv_cache_memory=self.kv_cache_memory),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+        )
+
+
+def _lifespan(settings: ServerSettings, engine: AsyncEngine | None, metrics: ServerMetrics) -> Any:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal engine
+        if engine is None:
+            from convoy.engine.async_engine import AsyncEngine
+
+            logger.info("loading model %s", settings.model or "(default)")
+            # Loading is slow and synchronous; a thread keeps the loop responsive meanwhile.
+            engine = await asyncio.to_thread(AsyncEngine, settings.engine_config())
+        await engine.start()
+        name = settings.served_model_name or engine.model_name
+        limits = ServingLimits(settings.max_prompts_per_request, settings.max_queue)
+        client = EngineClient(engine, name, limits)
+        metrics.attach_engine(engine.stats, lambda: client.num_in_flight)
+        app.state.engine, app.state.client = engine, client
+        app.state.completions, app.state.chat = CompletionServing(client), ChatServing(client)
+        app.state.created = int(time.time())
+        logger.info("serving %s (max_model_len %d)", name, engine.max_model_len)
+        try:
+            yield
+        finally:
+            logger.info("shutting down the engine")
+            await engine.shutdown()
+
+    return lifespan
+
+
+def build_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> FastAPI:
+    """The server app. The lifespan creates the engine from `settings` unless one is given."""
+    metrics = ServerMetrics()
+    app = FastAPI(
+        title="Convoy",
+        version=VERSION,
+        summary="OpenAI-compatible LLM server with continuous batching",
+        lifespan=_lifespan(settings, engine, metrics),
+    )
+    install_error_handlers(app)
+    # Added innermost first: the request log wraps everything, so 401 and 413 are logged too.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(RequestLogMiddleware, metrics=metrics)
+    _add_generation_routes(app)
+    _add_info_routes(app, metrics)
+    return app
+
+
+def _record(request: Request) -> RequestRecord:
+    record: RequestRecord = request.state.record
+    return record
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Response | BaseModel]) -> Response:
+    """Run `work`, cancelling it if the client goes away first (which aborts its engine requests).
+
+    NOTE: the body has been read by now, so the next `receive()` only returns on disconnect.
+    A streaming route returns its response at once, so this only guards non-streaming work.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        watcher.cancel()
+        result = task.result()
+        if isinstance(result, BaseModel):  # skip FastAPI's slow jsonable_encoder pass
+            return Response(result.model_dump_json(), media_type="application/json")
+        return result
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)  # nobody reads it; the status marks the log line
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _ok(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI docs for routes that answer JSON or an SSE stream."""
+    return {
+        200: {"model": model, "description": "JSON, or `text/event-stream` when stream is true"}
+    }
+
+
+def _add_generation_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions", response_model=None, responses=_ok(CompletionResponse))
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        work = app.state.completions.create(body, _record(request))
+        return await _until_disconnect(request, work)
+
+    @app.post("/v1/chat/completions", response_model=None, responses=_ok(ChatCompletionResponse))
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        work = app.state.chat.create(body, _record(request))
+        return await _until_disconnect(request, work)
+
+
+def _add_info_routes(app: FastAPI, metrics: ServerMetrics) -> None:
+    def client() -> EngineClient:
+        c: EngineClient = app.state.client
+        return c
+
+    def card() -> ModelCard:
+        c = client()
+        return ModelCard(
+            id=c.served_model_name,
+            created=app.state.created,
+            root=c.engine.model_name,
+            max_model_len=c.max_model_len,
+        )
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> ModelCard:
+        client().check_model(model_id)
+        return card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return _tokenize(client(), body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        c = client()
+        c.check_model(body.model)
+        c.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=c.tokenizer.decode(body.tokens))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if client().engine.is_running else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _tokenize(client: EngineClient, body: TokenizeRequest) -> TokenizeResponse:
+    """vLLM's /tokenize: a prompt (special tokens added) or messages (through the template)."""
+    client.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+    tokenizer = client.tokenizer
+    if body.messages is not None:
+        text = render_chat(client, body.messages, body.add_generation_prompt).text or ""
+        tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    else:
+        add_special = body.add_special_tokens is not False
+        tokens = tokenizer.encode(body.prompt or "", add_special_tokens=add_special)
+    strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=client.max_model_len, tokens=tokens, token_strs=strs
+    )

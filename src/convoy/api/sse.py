@@ -1,0 +1,49 @@
+"""Server-sent events: `data: {json}` frames, an error frame if the stream fails, one `[DONE]`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from convoy.api.errors import from_exception
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_frame(payload: BaseModel) -> bytes:
+    return b"data: " + payload.model_dump_json().encode() + b"\n\n"
+
+
+async def sse_events(
+    chunks: AsyncGenerator[BaseModel, None], request_id: str
+) -> AsyncIterator[bytes]:
+    """Frame every chunk; an error after the stream started becomes an error frame.
+
+    NOTE: exactly one `[DONE]` ends every stream that was not cut by the client. A client
+    disconnect cancels this generator (CancelledError is not an Exception), and `aclosing`
+    closes `chunks` so the engine requests under it are aborted.
+    """
+    async with aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield sse_frame(chunk)
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
+            err = from_exception(e)
+            if err.status >= 500:
+                logger.exception("stream %s failed", request_id)
+                err.message = f"{err.message} (request id {request_id})"
+            yield sse_frame(err.to_response())
+    yield DONE
+
+
+def sse_response(chunks: AsyncGenerator[BaseModel, None], request_id: str) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(
+        sse_events(chunks, request_id), media_type="text/event-stream", headers=headers
+    )

@@ -1,0 +1,65 @@
+"""POST /v1/chat/completions through the official client."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.e2e.helpers import MAX_TOKENS, MODEL
+
+MESSAGES = [
+    {"role": "system", "content": "You answer in one short sentence."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+def chat(client: OpenAI, messages: list[dict[str, object]] = MESSAGES, **kwargs: object) -> object:
+    args = {"temperature": 0, "max_tokens": MAX_TOKENS, **kwargs}
+    return client.chat.completions.create(model=MODEL, messages=messages, **args)  # type: ignore[call-overload]
+
+
+def test_chat_completion_shape_and_usage(client: OpenAI, http: httpx.Client) -> None:
+    completion = chat(client)
+    assert completion.object == "chat.completion" and completion.model == MODEL  # type: ignore[attr-defined]
+    choice = completion.choices[0]  # type: ignore[attr-defined]
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.message.content and "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    # the prompt is exactly the chat template's tokens
+    tokenized = http.post("/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
+    assert completion.usage.prompt_tokens == tokenized["count"]  # type: ignore[attr-defined]
+
+
+def test_text_parts_equal_string_content(client: OpenAI) -> None:
+    parts = [
+        MESSAGES[0],
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]},
+    ]
+    assert chat(client, parts).choices[0].message.content == chat(client).choices[0].message.content  # type: ignore[attr-defined]
+
+
+def test_max_completion_tokens_caps_the_answer(client: OpenAI) -> None:
+    completion = chat(client, max_completion_tokens=3, max_tokens=None)
+    assert completion.usage.completion_tokens == 3  # type: ignore[attr-defined]
+    assert completion.choices[0].finish_reason == "length"  # type: ignore[attr-defined]
+
+
+def test_n_choices_are_seeded_and_indexed(client: OpenAI) -> None:
+    first = chat(client, n=3, temperature=1.0, seed=21)
+    again = chat(client, n=3, temperature=1.0, seed=21)
+    assert [c.index for c in first.choices] == [0, 1, 2]  # type: ignore[attr-defined]
+    contents = [c.message.content for c in first.choices]  # type: ignore[attr-defined]
+    assert contents == [c.message.content for c in again.choices]  # type: ignore[attr-defined]
+
+
+def test_chat_logprobs_shape(client: OpenAI) -> None:
+    completion = chat(client, logprobs=True, top_logprobs=2)
+    logprobs = completion.choices[0].logprobs  # type: ignore[attr-defined]
+    assert logprobs is not None and logprobs.content
+    assert len(logprobs.content) == completion.usage.completion_tokens  # type: ignore[attr-defined]
+    for entry in logprobs.content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)  # greedy
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob

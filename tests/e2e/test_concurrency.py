@@ -1,0 +1,91 @@
+"""Many clients at once, clients that go away, and a full queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from openai import AsyncOpenAI, OpenAI
+
+from tests.e2e.conftest import MAX_QUEUE, Server
+from tests.e2e.helpers import MAX_TOKENS, MODEL, PROMPTS, complete
+
+KV_USED = "convoy_kv_blocks_used"
+IN_FLIGHT = "convoy_engine_requests_in_flight"
+
+
+async def test_16_concurrent_clients_get_the_sequential_results(
+    client: OpenAI, aclient: AsyncOpenAI
+) -> None:
+    sequential = [complete(client, p).choices[0].text for p in PROMPTS]
+
+    async def one(prompt: str) -> str:
+        completion = await aclient.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS
+        )
+        return completion.choices[0].text
+
+    concurrent = await asyncio.gather(*(one(p) for p in PROMPTS))
+    assert list(concurrent) == sequential
+
+
+def _long_request(prompts: list[str], stream: bool) -> dict[str, object]:
+    # ignore_eos + a large max_tokens: it runs until it is dropped
+    return {
+        "model": MODEL,
+        "prompt": prompts,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+def test_dropped_stream_frees_its_kv_blocks(
+    server: Server, http: httpx.Client, client: OpenAI
+) -> None:
+    server.wait_for_metric(KV_USED, 0)
+    with http.stream("POST", "/v1/completions", json=_long_request(PROMPTS[:2], True)) as stream:
+        lines = stream.iter_lines()  # NOTE: keep it referenced; dropping it closes the stream
+        assert next(lines).startswith("data: ")
+        assert server.metric(KV_USED) > 0
+        assert server.metric(IN_FLIGHT) == 2
+    # leaving the block closes the connection mid-stream
+    server.wait_for_metric(IN_FLIGHT, 0)
+    server.wait_for_metric(KV_USED, 0)
+    assert complete(client, PROMPTS[0]).choices[0].text  # still serving
+
+
+async def test_disconnected_non_stream_request_is_aborted(server: Server) -> None:
+    server.wait_for_metric(KV_USED, 0)
+    async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers) as ac:
+        task = asyncio.create_task(
+            ac.post("/v1/completions", json=_long_request(PROMPTS[:3], False))
+        )
+        await asyncio.to_thread(server.wait_for_metric, IN_FLIGHT, 3)
+        task.cancel()  # the client gives up: its connection closes
+        await asyncio.gather(task, return_exceptions=True)
+    await asyncio.to_thread(server.wait_for_metric, IN_FLIGHT, 0)
+    await asyncio.to_thread(server.wait_for_metric, KV_USED, 0)
+
+
+def test_full_queue_answers_429_then_recovers(server: Server, http: httpx.Client) -> None:
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(MAX_QUEUE)]
+    with http.stream("POST", "/v1/completions", json=_long_request(prompts, True)) as stream:
+        lines = stream.iter_lines()  # NOTE: keep it referenced; dropping it closes the stream
+        assert next(lines).startswith("data: ")
+        assert server.metric(IN_FLIGHT) == MAX_QUEUE
+        response = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        )
+        assert response.status_code == 429
+        error = response.json()["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
+    server.wait_for_metric(IN_FLIGHT, 0)
+    server.wait_for_metric(KV_USED, 0)
+    assert (
+        http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        ).status_code
+        == 200
+    )
