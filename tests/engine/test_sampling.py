@@ -113,3 +113,12 @@ def test_abort_frees_every_block(llm: LLM) -> None:
         await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_max_tokens_zero_scores_the_prompt_only(llm: LLM) -> None:
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1))[0]
+    choice = out.outputs[0]
+    assert choice.token_ids == [] and choice.text == ""
+    assert choice.finish_reason == FinishReason.LENGTH
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert llm.engine.block_manager.num_used_blocks == 0

@@ -20,7 +20,7 @@ def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ropes: dict[str, RotaryEmbedding]) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -37,11 +37,7 @@ class Gemma3Attention(nn.Module):
         self.k_norm = _norm(cfg, cfg.head_dim)
         self.window = cfg.layer_window(layer_idx)
         is_local = self.window is not None and cfg.rope_local_theta is not None
-        base = cfg.rope_local_theta if is_local else cfg.rope_theta
-        assert base is not None
-        # NOTE: rope scaling (larger Gemma 3 models) applies to the global layers only.
-        scaling = None if is_local else cfg.rope_scaling
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, base, scaling)
+        self.rotary = ropes["local" if is_local else "global"]  # shared by the layers of a kind
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -60,9 +56,9 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ropes: dict[str, RotaryEmbedding]) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(cfg, layer_idx)
+        self.self_attn = Gemma3Attention(cfg, layer_idx, ropes)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
@@ -82,7 +78,14 @@ class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        pos = cfg.max_position_embeddings
+        # NOTE: rope scaling (larger Gemma 3 models) applies to the global layers only.
+        ropes = {"global": RotaryEmbedding(cfg.head_dim, pos, cfg.rope_theta, cfg.rope_scaling)}
+        if cfg.rope_local_theta is not None:
+            ropes["local"] = RotaryEmbedding(cfg.head_dim, pos, cfg.rope_local_theta, None)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, i, ropes) for i in range(cfg.num_layers)
+        )
         self.norm = _norm(cfg, cfg.hidden_size)
 
 

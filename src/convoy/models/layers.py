@@ -41,6 +41,8 @@ class RotaryEmbedding(nn.Module):
             base,
             scaling,
         )
+        self._memo_positions: torch.Tensor | None = None
+        self._memo_cos = self._memo_sin = torch.empty(0)
         self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.init_buffers()
@@ -61,8 +63,13 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (T, H, D), k: (T, Hkv, D), positions: (T,)
-        cos = self.cos[positions].to(q.dtype).repeat(1, 2).unsqueeze(1)  # (T, 1, D)
-        sin = self.sin[positions].to(q.dtype).repeat(1, 2).unsqueeze(1)
+        # NOTE: one instance serves every layer with the same base; the step's positions tensor is
+        # shared by all layers, so cos/sin are gathered once per step.
+        if positions is not self._memo_positions or q.dtype != self._memo_cos.dtype:
+            self._memo_cos = self.cos[positions].to(q.dtype).repeat(1, 2).unsqueeze(1)  # (T, 1, D)
+            self._memo_sin = self.sin[positions].to(q.dtype).repeat(1, 2).unsqueeze(1)
+            self._memo_positions = positions
+        cos, sin = self._memo_cos, self._memo_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
