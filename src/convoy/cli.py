@@ -90,34 +90,11 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    import torch
+    from convoy import LLM, SamplingParams
 
-    from convoy.engine.tokenizer import Tokenizer
-    from convoy.models.loader import load_model, resolve_model
-    from convoy.worker.kv_cache import allocate_kv_cache
-    from convoy.worker.model_runner import ModelRunner, ScheduledSeq
-
-    resolved = resolve_model(args.model)
-    model = load_model(resolved, torch.float32, torch.device("cpu"))
-    tok = Tokenizer(resolved.model_dir, resolved.config.model_type)
-    ids = tok.encode(args.prompt)
-    block_size = 16
-    num_blocks = (len(ids) + args.max_tokens) // block_size + 1
-    kv = allocate_kv_cache(
-        resolved.config, num_blocks, block_size, torch.float32, torch.device("cpu")
-    )
-    runner = ModelRunner(model, kv, torch.device("cpu"))
-    table = list(range(num_blocks))
-    out: list[int] = []
-    new, start = ids, 0
-    for _ in range(args.max_tokens):
-        logits = runner.execute([ScheduledSeq(new, start, table, need_logits=True)]).logits
-        token = int(logits[0].argmax())
-        if token == tok.eos_token_id:
-            break
-        out.append(token)
-        start, new = start + len(new), [token]
-    print(args.prompt + tok.decode(out))
+    llm = LLM(model=args.model)
+    out = llm.generate([args.prompt], SamplingParams(temperature=0, max_tokens=args.max_tokens))
+    print(args.prompt + out[0].outputs[0].text)
 
 
 def main(argv: list[str] | None = None) -> None:
