@@ -160,6 +160,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    # fp32 on the CPU: run linears through oneDNN with weights prepacked once (worker/cpu_linear.py)
+    prepack_linears: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "fp32", "bf16"):

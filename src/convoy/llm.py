@@ -27,6 +27,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
+        prepack_linears: bool = True,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -34,6 +35,7 @@ class LLM:
             device=device,
             cache=CacheConfig(block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+            prepack_linears=prepack_linears,
         )
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer

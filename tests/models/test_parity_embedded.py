@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from convoy.engine.tokenizer import Tokenizer
 from convoy.models.loader import load_model, resolve_model
+from convoy.worker.cpu_linear import onednn_linear_available, pack_linears
 from tests.models.harness import convoy_greedy, reference_greedy
 
 PROMPTS = [
@@ -43,13 +46,25 @@ def test_converted_weights_equal_reference(pair) -> None:
         assert torch.equal(tensor, ref_state[name]), name
 
 
-def test_prefill_and_greedy_parity_batched(pair) -> None:
-    resolved, ours, ref, tok = pair
+@pytest.fixture(scope="module")
+def reference(pair):
+    _, _, ref, tok = pair
     prompts = [tok.encode(p) for p in PROMPTS]
+    return prompts, [reference_greedy(ref, prompt, steps=32) for prompt in prompts]
+
+
+@pytest.mark.parametrize("linears", ["plain", "prepacked"])
+def test_prefill_and_greedy_parity_batched(pair, reference, linears: str) -> None:
+    resolved, ours, _, _ = pair
+    if linears == "prepacked":  # what the Worker runs for fp32 on the CPU
+        if not onednn_linear_available(torch.device("cpu"), torch.float32):
+            pytest.skip("no oneDNN")
+        ours = copy.deepcopy(ours)
+        assert pack_linears(ours) > 0
+    prompts, refs = reference
     assert len({len(p) for p in prompts}) > 1
     logits, tokens = convoy_greedy(ours, resolved.config, prompts, steps=32)
-    for prompt, our_logits, our_tokens in zip(prompts, logits, tokens, strict=True):
-        ref_logits, ref_tokens = reference_greedy(ref, prompt, steps=32)
+    for our_logits, our_tokens, (ref_logits, ref_tokens) in zip(logits, tokens, refs, strict=True):
         assert our_logits.shape == ref_logits.shape
         assert (our_logits - ref_logits).abs().max().item() < LOGIT_ATOL
         assert our_tokens == ref_tokens

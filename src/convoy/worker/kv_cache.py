@@ -11,7 +11,7 @@ from convoy.config import ModelConfig
 
 @dataclass(slots=True)
 class KVCache:
-    k: torch.Tensor  # (num_layers, num_blocks * block_size, Hkv, D)
+    k: torch.Tensor  # (num_layers, Hkv, num_blocks * block_size, D): head-major slots
     v: torch.Tensor
     num_blocks: int
     block_size: int
@@ -35,7 +35,7 @@ def num_blocks_for_budget(
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> KVCache:
-    shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
     return KVCache(
         k=torch.zeros(shape, dtype=dtype, device=device),
         v=torch.zeros(shape, dtype=dtype, device=device),

@@ -84,28 +84,34 @@ class ModelRunner:
                 decode_lens.append(start + 1)
             else:
                 ctx = start + n
-                slots = self._slots([table], ctx)[0] if start > 0 else torch.empty(0)
-                prefills.append(PrefillSeq(flat, flat + n, ctx, slots))
+                blocks = self._blocks([table], ctx) if start > 0 else torch.empty(0)
+                prefills.append(PrefillSeq(flat, flat + n, ctx, blocks))
         dev = self.device
         meta = AttentionMetadata(
+            block_size=bs,
             slot_mapping=torch.tensor(slot_map, dtype=torch.long, device=dev),
             positions=torch.tensor(pos, dtype=torch.long, device=dev),
             prefills=prefills,
             decode_idx=None,
-            decode_slots=None,
+            decode_blocks=None,
+            decode_len_max=0,
             decode_lens=None,
         )
         if decode_idx:
             meta.decode_idx = torch.tensor(decode_idx, dtype=torch.long, device=dev)
-            meta.decode_slots = self._slots(decode_tables, max(decode_lens))
+            num_blocks = (max(decode_lens) + bs - 1) // bs
+            meta.decode_len_max = num_blocks * bs
+            meta.decode_blocks = self._blocks(decode_tables, max(decode_lens))
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            meta.all_decode = not prefills
         return torch.tensor(ids, dtype=torch.long, device=dev), meta.positions, meta
 
-    def _slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
-        """(B, length) cache slot of every token position 0..length-1 of each block table."""
-        bs = self.block_size
-        num_blocks = (length + bs - 1) // bs
-        padded = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
-        bt = torch.tensor(padded, dtype=torch.long, device=self.device)  # (B, nb)
-        offsets = torch.arange(bs, dtype=torch.long, device=self.device)
-        return (bt.unsqueeze(-1) * bs + offsets).view(len(tables), -1)[:, :length]
+    def _blocks(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """(B * NB,) the first NB = ceil(length / block_size) blocks of each table, 0-padded."""
+        num_blocks = (length + self.block_size - 1) // self.block_size
+        padded: list[int] = []
+        for t in tables:
+            head = t[:num_blocks]
+            padded.extend(head)
+            padded.extend([0] * (num_blocks - len(head)))
+        return torch.tensor(padded, dtype=torch.long, device=self.device)

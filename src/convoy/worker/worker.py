@@ -10,6 +10,7 @@ import torch
 from convoy.config import EngineConfig
 from convoy.models.loader import load_model, resolve_model
 from convoy.outputs import PositionLogprobs
+from convoy.worker.cpu_linear import onednn_linear_available, pack_linears
 from convoy.worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from convoy.worker.model_runner import ModelRunner, ScheduledSeq
 from convoy.worker.sampler import SamplerRow, prompt_logprobs, sample
@@ -61,6 +62,9 @@ class Worker:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(resolved, self.dtype, self.device)
+        self.packed_linears = 0
+        if config.prepack_linears and onednn_linear_available(self.device, self.dtype):
+            self.packed_linears = pack_linears(self.model)
         cache = config.cache
         self.num_blocks = cache.num_blocks or num_blocks_for_budget(
             resolved.config, cache.kv_cache_memory, cache.block_size, self.dtype
@@ -70,9 +74,9 @@ class Worker:
         )
         self.runner = ModelRunner(self.model, kv, self.device)
         logger.info(
-            "loaded %s (%s) on %s in %s; %d KV blocks of %d tokens",
+            "loaded %s (%s) on %s in %s; %d KV blocks of %d tokens; %d linears prepacked",
             self.model_name, resolved.config.architecture, self.device, self.dtype,
-            self.num_blocks, cache.block_size,
+            self.num_blocks, cache.block_size, self.packed_linears,
         )  # fmt: skip
 
     @torch.inference_mode()

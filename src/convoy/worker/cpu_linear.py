@@ -1,0 +1,71 @@
+"""Prepacked fp32 linears for the CPU (oneDNN).
+
+`F.linear` in fp32 goes to MKL sgemm with the weight in its plain (out, in) layout and repacks it
+on every call. oneDNN can take the weight reordered once into its blocked layout; on this AVX2 host
+that runs the decode shapes 1.4-2.6x faster (measured, 2 threads, smollm2 shapes, M=16: the
+per-step sum of all linears 79 -> 46 ms; M=64: 224 -> 140 ms; the 49152-wide lm_head 30 -> 11 ms
+at M=16). The packed weight is an opaque mkldnn tensor, so this runs after the weights are loaded
+and placed, and only for fp32 on the CPU: bf16 reorders need AVX512-BF16 or AVX-NE-CONVERT, and
+on CUDA cuBLAS is already the right kernel.
+
+Results differ from `F.linear` only by summation order (max |diff| ~1e-4 on unit-scale inputs).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Batch-size hint for the reorder; measured on 576x3072: the chosen layout serves M=1..300 alike.
+_PACK_HINT = 64
+
+
+def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class PackedLinear(nn.Module):
+    """Inference-only drop-in for an fp32 `nn.Linear` on the CPU, weight prepacked for oneDNN."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        w = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` in `model` by a `PackedLinear`; returns how many were replaced.
+
+    A tied lm_head gets its own packed copy; the embedding keeps the plain weight it indexes.
+    """
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child))
+                count += 1
+    return count

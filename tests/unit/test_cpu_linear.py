@@ -1,0 +1,52 @@
+"""Prepacked oneDNN linears: same results as nn.Linear, every linear of a model replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from convoy.worker.cpu_linear import PackedLinear, onednn_linear_available, pack_linears
+
+pytestmark = pytest.mark.skipif(
+    not onednn_linear_available(torch.device("cpu"), torch.float32), reason="no oneDNN"
+)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
+def test_packed_linear_matches_nn_linear(bias: bool, rows: int) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        want = linear(x)
+        got = packed(x)
+        got3 = packed(x.view(1, rows, 96))  # leading dims kept
+        got_t = packed(torch.randn(96, rows).t())  # non-contiguous input is accepted
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got3, want.view(1, rows, 200), atol=1e-5, rtol=1e-5)
+    assert got_t.shape == (rows, 200)
+
+
+def test_pack_linears_replaces_every_linear_and_keeps_tied_embedding() -> None:
+    emb = nn.Embedding(50, 32)
+    model = nn.ModuleDict(
+        {
+            "emb": emb,
+            "a": nn.Linear(32, 64),
+            "inner": nn.Sequential(nn.Linear(64, 32)),
+            "head": nn.Linear(32, 50, bias=False),
+        }
+    )
+    model["head"].weight = emb.weight  # tied, as in SmolLM2 and Gemma 3
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        want = model["head"](model["inner"](model["a"](x)))
+        assert pack_linears(model) == 3
+        got = model["head"](model["inner"](model["a"](x)))
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert model["emb"].weight is emb.weight and emb.weight.layout == torch.strided
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
