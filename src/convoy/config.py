@@ -162,6 +162,8 @@ class EngineConfig:
     seed: int = 0
     # fp32 on the CPU: run linears through oneDNN with weights prepacked once (worker/cpu_linear.py)
     prepack_linears: bool = True
+    # fp32 on the CPU: decode attention by the compiled kernel in worker/csrc (torch path if no build)
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "fp32", "bf16"):

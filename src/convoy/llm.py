@@ -28,6 +28,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         prepack_linears: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -36,6 +37,7 @@ class LLM:
             cache=CacheConfig(block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
             prepack_linears=prepack_linears,
+            cpu_kernels=cpu_kernels,
         )
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer

@@ -13,7 +13,12 @@ from convoy.worker.model_runner import ModelRunner, ScheduledSeq
 
 
 def convoy_greedy(
-    model: nn.Module, cfg: ModelConfig, prompts: list[list[int]], steps: int, block_size: int = 4
+    model: nn.Module,
+    cfg: ModelConfig,
+    prompts: list[list[int]],
+    steps: int,
+    block_size: int = 4,
+    native_decode: bool = False,
 ) -> tuple[list[torch.Tensor], list[list[int]]]:
     """All prompts prefilled together in one forward pass, then decoded together.
 
@@ -25,7 +30,7 @@ def convoy_greedy(
     num_blocks = per_seq * len(prompts) + 1
     dtype = model.model.embed_tokens.weight.dtype  # type: ignore[union-attr]
     kv = allocate_kv_cache(cfg, num_blocks, block_size, dtype, torch.device("cpu"))
-    runner = ModelRunner(model, kv, torch.device("cpu"))
+    runner = ModelRunner(model, kv, torch.device("cpu"), native_decode)
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)
     tables = [[free.pop() for _ in range(per_seq)] for _ in prompts]

@@ -9,6 +9,7 @@ import torch
 
 from convoy.engine.tokenizer import Tokenizer
 from convoy.models.loader import load_model, resolve_model
+from convoy.worker.cpu_kernels import cpu_kernels_available
 from convoy.worker.cpu_linear import onednn_linear_available, pack_linears
 from tests.models.harness import convoy_greedy, reference_greedy
 
@@ -53,17 +54,23 @@ def reference(pair):
     return prompts, [reference_greedy(ref, prompt, steps=32) for prompt in prompts]
 
 
-@pytest.mark.parametrize("linears", ["plain", "prepacked"])
-def test_prefill_and_greedy_parity_batched(pair, reference, linears: str) -> None:
+@pytest.mark.parametrize("path", ["torch", "cpu-fast"])
+def test_prefill_and_greedy_parity_batched(pair, reference, path: str) -> None:
+    """torch: plain linears, gathered attention. cpu-fast: what the Worker runs for fp32 on the
+    CPU (prepacked oneDNN linears, compiled decode-attention kernel)."""
     resolved, ours, _, _ = pair
-    if linears == "prepacked":  # what the Worker runs for fp32 on the CPU
+    if path == "cpu-fast":
         if not onednn_linear_available(torch.device("cpu"), torch.float32):
             pytest.skip("no oneDNN")
+        if not cpu_kernels_available():
+            pytest.skip("no C++ toolchain")
         ours = copy.deepcopy(ours)
         assert pack_linears(ours) > 0
     prompts, refs = reference
     assert len({len(p) for p in prompts}) > 1
-    logits, tokens = convoy_greedy(ours, resolved.config, prompts, steps=32)
+    logits, tokens = convoy_greedy(
+        ours, resolved.config, prompts, steps=32, native_decode=path == "cpu-fast"
+    )
     for our_logits, our_tokens, (ref_logits, ref_tokens) in zip(logits, tokens, refs, strict=True):
         assert our_logits.shape == ref_logits.shape
         assert (our_logits - ref_logits).abs().max().item() < LOGIT_ATOL

@@ -29,8 +29,15 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: KVCache,
+        device: torch.device,
+        native_decode: bool = False,
+    ) -> None:
         self.model = model
+        self.native_decode = native_decode  # decode attention by the csrc kernel (fp32 CPU)
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
@@ -104,6 +111,7 @@ class ModelRunner:
             meta.decode_blocks = self._blocks(decode_tables, max(decode_lens))
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
             meta.all_decode = not prefills
+            meta.native_decode = self.native_decode
         return torch.tensor(ids, dtype=torch.long, device=dev), meta.positions, meta
 
     def _blocks(self, tables: list[list[int]], length: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from convoy.config import EngineConfig
 from convoy.models.loader import load_model, resolve_model
 from convoy.outputs import PositionLogprobs
+from convoy.worker.cpu_kernels import cpu_kernels_available
 from convoy.worker.cpu_linear import onednn_linear_available, pack_linears
 from convoy.worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from convoy.worker.model_runner import ModelRunner, ScheduledSeq
@@ -72,11 +73,18 @@ class Worker:
         kv = allocate_kv_cache(
             resolved.config, self.num_blocks, cache.block_size, self.dtype, self.device
         )
-        self.runner = ModelRunner(self.model, kv, self.device)
+        self.native_decode = (
+            config.cpu_kernels
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and cpu_kernels_available()
+        )
+        self.runner = ModelRunner(self.model, kv, self.device, self.native_decode)
         logger.info(
-            "loaded %s (%s) on %s in %s; %d KV blocks of %d tokens; %d linears prepacked",
+            "loaded %s (%s) on %s in %s; %d KV blocks of %d tokens; %d linears prepacked; "
+            "native decode attention: %s",
             self.model_name, resolved.config.architecture, self.device, self.dtype,
-            self.num_blocks, cache.block_size, self.packed_linears,
+            self.num_blocks, cache.block_size, self.packed_linears, self.native_decode,
         )  # fmt: skip
 
     @torch.inference_mode()
