@@ -160,9 +160,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
-    # fp32 on the CPU: run linears through oneDNN with weights prepacked once (worker/cpu_linear.py)
+    # CPU: linears with weights prepacked once: fp32 via oneDNN, bf16 via worker/csrc on CPUs
+    # without native bf16 (worker/cpu_linear.py)
     prepack_linears: bool = True
-    # fp32 on the CPU: decode attention by the compiled kernel in worker/csrc (torch path if no build)
+    # CPU (fp32, bf16): decode attention by the compiled kernel in worker/csrc (torch path if no build)
     cpu_kernels: bool = True
 
     def __post_init__(self) -> None:

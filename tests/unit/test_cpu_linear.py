@@ -50,3 +50,24 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_embedding() -> None:
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert model["emb"].weight is emb.weight and emb.weight.layout == torch.strided
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_kernel_linear_matches_fp32_math_on_bf16_weights(rows: int, bias: bool) -> None:
+    from convoy.worker.cpu_kernels import cpu_kernels_available
+    from convoy.worker.cpu_linear import Bf16PackedLinear
+
+    if not cpu_kernels_available():
+        pytest.skip("no C++ toolchain")
+    torch.manual_seed(rows)
+    linear = nn.Linear(72, 37, bias=bias).to(torch.bfloat16)  # 37: a partial 16-wide panel
+    packed = Bf16PackedLinear(linear)
+    x = torch.randn(rows, 72).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = packed(x)
+        b = None if linear.bias is None else linear.bias.float()
+        want = torch.nn.functional.linear(x.float(), linear.weight.float(), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
+    # fp32 accumulation, one rounding to bf16 at the end: within half a bf16 ulp (+ order noise)
+    torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=2**-8)

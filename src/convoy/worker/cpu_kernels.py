@@ -45,7 +45,7 @@ def cpu_kernels_available() -> bool:
                 tag, flags = _arch_flags()
                 load(
                     name=f"convoy_cpu_kernels_{tag}",
-                    sources=[str(_CSRC / "paged_attention.cpp")],
+                    sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
                     extra_cflags=["-O3", "-fopenmp", *flags],
                     extra_ldflags=["-fopenmp"],
                     is_python_module=False,

@@ -11,7 +11,7 @@ from convoy.config import EngineConfig
 from convoy.models.loader import load_model, resolve_model
 from convoy.outputs import PositionLogprobs
 from convoy.worker.cpu_kernels import cpu_kernels_available
-from convoy.worker.cpu_linear import onednn_linear_available, pack_linears
+from convoy.worker.cpu_linear import linear_packing, pack_linears
 from convoy.worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from convoy.worker.model_runner import ModelRunner, ScheduledSeq
 from convoy.worker.sampler import SamplerRow, prompt_logprobs, sample
@@ -64,8 +64,9 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(resolved, self.dtype, self.device)
         self.packed_linears = 0
-        if config.prepack_linears and onednn_linear_available(self.device, self.dtype):
-            self.packed_linears = pack_linears(self.model)
+        packing = linear_packing(self.device, self.dtype) if config.prepack_linears else None
+        if packing is not None:
+            self.packed_linears = pack_linears(self.model, packing)
         cache = config.cache
         self.num_blocks = cache.num_blocks or num_blocks_for_budget(
             resolved.config, cache.kv_cache_memory, cache.block_size, self.dtype
@@ -76,7 +77,7 @@ class Worker:
         self.native_decode = (
             config.cpu_kernels
             and self.device.type == "cpu"
-            and self.dtype == torch.float32
+            and self.dtype in (torch.float32, torch.bfloat16)
             and cpu_kernels_available()
         )
         self.runner = ModelRunner(self.model, kv, self.device, self.native_decode)

@@ -4,11 +4,12 @@
 // (Hkv, B, L, D) tensor, then runs two batched matmuls over it: the copy is 40-60% of attention
 // time at 16-64 sequences. This kernel reads each sequence's K/V rows where they live, once per
 // KV head for all the query heads of its group, and parallelises over (sequence, KV head) with
-// ATen's thread pool. fp32 only (the fast CPU dtype on AVX2 hosts); other dtypes use the torch path.
+// ATen's thread pool. fp32 and bf16 (widened to fp32 as it is read; all arithmetic in fp32).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -19,40 +20,24 @@
 
 namespace {
 
-at::Tensor decode_attention(
-    const at::Tensor& q,             // (B, H, D) fp32
-    const at::Tensor& k_cache,       // (Hkv, num_slots, D) fp32, contiguous
-    const at::Tensor& v_cache,       // (Hkv, num_slots, D)
-    const at::Tensor& block_tables,  // (B, NB) int64: blocks of each sequence, in order
-    const at::Tensor& lens,          // (B,) int64: context length of each sequence (keys to read)
-    int64_t block_size,
-    double scale,
-    int64_t window) {                // 0: none; else only the last `window` keys are visible
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "fp32 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64");
-  const at::Tensor qc = q.contiguous();
-  const at::Tensor bt = block_tables.contiguous();
-  const at::Tensor ln = lens.contiguous();
+template <typename T>
+void decode_attention_impl(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& bt, const at::Tensor& ln, int64_t block_size, float fscale,
+                           int64_t window, at::Tensor& out) {
   const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
   const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), NB = bt.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0 && bt.size(0) == B && ln.size(0) == B, "shapes");
   const int64_t G = H / Hkv;
-  at::Tensor out = at::empty({B, H, D}, qc.options());
-
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* qp = qc.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* lp = ln.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  T* op = out.data_ptr<T>();
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(G * D);
+    std::vector<float> qf(G * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, g = item % Hkv;
       const int64_t len = lp[b];
@@ -60,21 +45,22 @@ at::Tensor decode_attention(
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       scores.resize(G * n);
-      const float* qg = qp + (b * H + g * G) * D;  // the G query heads of this KV head
-      const float* kg = kp + g * S * D;
-      const float* vg = vp + g * S * D;
+      const T* qg = qp + (b * H + g * G) * D;  // the G query heads of this KV head
+      for (int64_t x = 0; x < G * D; ++x) qf[x] = static_cast<float>(qg[x]);
+      const T* kg = kp + g * S * D;
+      const T* vg = vp + g * S * D;
       const int64_t* table = btp + b * NB;
       // scores[j * n + i] = q_j . k_(first + i) * scale
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = first + i;
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         TORCH_CHECK(slot >= 0 && slot < S, "slot out of range");
-        const float* krow = kg + slot * D;
+        const T* krow = kg + slot * D;
         for (int64_t j = 0; j < G; ++j) {
-          const float* qrow = qg + j * D;
+          const float* qrow = qf.data() + j * D;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qrow[d] * krow[d];
+          for (int64_t d = 0; d < D; ++d) dot += qrow[d] * static_cast<float>(krow[d]);
           scores[j * n + i] = dot * fscale;
         }
       }
@@ -96,18 +82,50 @@ at::Tensor decode_attention(
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = first + i;
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const float* vrow = vg + slot * D;
+        const T* vrow = vg + slot * D;
         for (int64_t j = 0; j < G; ++j) {
           const float p = scores[j * n + i];
           float* a = acc.data() + j * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vrow[d];
+          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vrow[d]);
         }
       }
-      float* og = op + (b * H + g * G) * D;
-      std::copy(acc.begin(), acc.end(), og);
+      T* og = op + (b * H + g * G) * D;
+      for (int64_t x = 0; x < G * D; ++x) og[x] = static_cast<T>(acc[x]);
     }
   });
+}
+
+at::Tensor decode_attention(
+    const at::Tensor& q,             // (B, H, D) fp32
+    const at::Tensor& k_cache,       // (Hkv, num_slots, D) fp32, contiguous
+    const at::Tensor& v_cache,       // (Hkv, num_slots, D)
+    const at::Tensor& block_tables,  // (B, NB) int64: blocks of each sequence, in order
+    const at::Tensor& lens,          // (B,) int64: context length of each sequence (keys to read)
+    int64_t block_size,
+    double scale,
+    int64_t window) {                // 0: none; else only the last `window` keys are visible
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && k_cache.scalar_type() == dt &&
+                  v_cache.scalar_type() == dt, "fp32 or bf16, the same for q and the cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor bt = block_tables.contiguous();
+  const at::Tensor ln = lens.contiguous();
+  const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
+  const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), NB = bt.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes() && H % Hkv == 0 &&
+                  bt.size(0) == B && ln.size(0) == B, "shapes");
+  at::Tensor out = at::empty({B, H, D}, qc.options());
+  if (qc.scalar_type() == at::kFloat) {
+    decode_attention_impl<float>(qc, k_cache, v_cache, bt, ln, block_size, static_cast<float>(scale),
+                                 window, out);
+  } else {
+    decode_attention_impl<at::BFloat16>(qc, k_cache, v_cache, bt, ln, block_size,
+                                        static_cast<float>(scale), window, out);
+  }
   return out;
 }
 
