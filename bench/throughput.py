@@ -171,9 +171,17 @@ def bench_model_dtype(name: str, dtype: str, args: argparse.Namespace, log) -> l
     from convoy import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=name, dtype=dtype, enable_prefix_caching=args.prefix_cache)
+    llm = LLM(
+        model=name,
+        dtype=dtype,
+        enable_prefix_caching=args.prefix_cache,
+        prepack_linears=not args.torch_path,
+        cpu_kernels=not args.torch_path,
+    )
+    worker = llm.engine.worker
     log(
-        f"[{name} {dtype}] Convoy loaded in {time.perf_counter() - t0:.1f}s ({llm.model_path.name})"
+        f"[{name} {dtype}] Convoy loaded in {time.perf_counter() - t0:.1f}s ({llm.model_path.name});"
+        f" packed linears: {worker.packed_linears}, native decode attention: {worker.native_decode}"
     )
     tok = llm.tokenizer
     all_ids = [tok.encode(p) for p in make_prompts(max(args.batches))]
@@ -254,6 +262,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-sample", type=int, default=4, help="prompts timed one at a time, max")
     p.add_argument("--skip-baselines", action="store_true", help="Convoy only")
     p.add_argument("--prefix-cache", action="store_true", help="keep Convoy's prefix cache on")
+    p.add_argument(
+        "--torch-path",
+        action="store_true",
+        help="Convoy without its CPU kernels (plain torch linears and attention), for A/B runs",
+    )
     p.add_argument("--wait-idle", type=float, default=0, help="wait up to N s for a quiet CPU")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--quick", action="store_true", help="smollm2, bfloat16, batches 1,16, 32 tok")
