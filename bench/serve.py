@@ -33,23 +33,11 @@ from collections.abc import Callable
 
 import httpx
 
-TOPICS = [
-    "the Roman Empire", "photosynthesis", "black holes", "the French Revolution", "jazz music",
-    "volcanoes", "the printing press", "honeybees", "quantum computing", "the Silk Road",
-    "coral reefs", "the steam engine", "ancient Egypt", "climate change", "chess openings",
-    "the human immune system",
-]  # fmt: skip
-TEMPLATES = [
-    "Tell me about {t}.",
-    "Write a short story for children in which a curious fox learns about {t}.",
-    "You are a patient teacher. Explain {t} to a high-school student, step by step.",
-    "Summarise what is known about {t}, and the main open questions researchers debate.",
-]
+from prompts import make_prompts
 
 
-def make_prompts(num_prompts: int, tag: str) -> list[str]:
-    base = [TEMPLATES[i % len(TEMPLATES)].format(t=TOPICS[i % len(TOPICS)]) for i in range(64)]
-    return [f"[{tag}] {base[i % len(base)]}" for i in range(num_prompts)]
+def make_prompts_tagged(num_prompts: int, tag: str) -> list[str]:
+    return [f"[{tag}] {p}" for p in make_prompts(num_prompts)]
 
 
 class ServerProcess:
@@ -132,7 +120,7 @@ def measure(
     """Tokens per second of `run` over --repeats, each repeat on fresh prompts."""
     rates = []
     for r in range(args.repeats):
-        prompts = make_prompts(args.prompts, f"{name} {r}")
+        prompts = make_prompts_tagged(args.prompts, f"{name} {r}")
         start = time.perf_counter()
         num_tokens = run(prompts)
         elapsed = time.perf_counter() - start
@@ -147,7 +135,7 @@ def offline(args: argparse.Namespace) -> list[tuple[str, list[float]]]:
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    llm.generate(make_prompts(2, "warm-up"), params)
+    llm.generate(make_prompts_tagged(2, "warm-up"), params)
 
     def run(prompts: list[str]) -> int:
         return sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params))
@@ -189,7 +177,7 @@ def main() -> None:
     try:
         server.wait_healthy()
         url = server.url
-        one_request(args, url, make_prompts(2, "warm-up"))
+        one_request(args, url, make_prompts_tagged(2, "warm-up"))
         rows = [
             measure("one request", args, lambda p: one_request(args, url, p)),
             measure("sequential", args, lambda p: sequential(args, url, p)),

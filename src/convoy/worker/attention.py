@@ -46,7 +46,7 @@ class AttentionMetadata:
     decode_len_max: int  # NB * block_size: keys per decode sequence, padding included
     decode_lens: torch.Tensor | None  # (Bd,) context length per decode sequence
     all_decode: bool = False  # every token of the step is a decode token, in order
-    native_decode: bool = False  # use torch.ops.convoy.decode_attention (csrc/, fp32 CPU)
+    native_decode: bool = False  # use torch.ops.convoy.decode_attention (csrc/, CPU fp32/bf16)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -146,13 +146,11 @@ def _prefill_attention(
     if fresh:
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, L, D)
     else:
-        hkv, d = k_cache.shape[0], k_cache.shape[2]
-        keys = _gather_blocks(k_cache, seq.blocks, block_size).view(hkv, -1, d)[
-            :, : seq.context_len
-        ]
-        values = _gather_blocks(v_cache, seq.blocks, block_size).view(hkv, -1, d)[
-            :, : seq.context_len
-        ]
+        hkv, _, d = k_cache.shape
+        keys, values = (
+            _gather_blocks(c, seq.blocks, block_size).view(hkv, -1, d)[:, : seq.context_len]
+            for c in (k_cache, v_cache)
+        )
     mask = None
     if not fresh or (window is not None and window < num_q):
         q_pos = torch.arange(seq.context_len - num_q, seq.context_len, device=q.device)

@@ -7,9 +7,9 @@ compiler, no ninja, `CONVOY_CPU_KERNELS=0`) leaves the pure-torch path in place,
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -17,8 +17,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
 
 
 def _arch_flags() -> tuple[str, list[str]]:
@@ -30,29 +28,25 @@ def _arch_flags() -> tuple[str, list[str]]:
     return "generic", []
 
 
+@functools.cache
 def cpu_kernels_available() -> bool:
     """Build/load the kernels once; True when `torch.ops.convoy.*` can be called on the CPU."""
-    with _lock:
-        if "ok" in _state:
-            return _state["ok"]
-        ok = False
-        if os.environ.get("CONVOY_CPU_KERNELS", "1") == "0":
-            logger.info("CPU kernels disabled by CONVOY_CPU_KERNELS=0")
-        else:
-            try:
-                from torch.utils.cpp_extension import load
+    if os.environ.get("CONVOY_CPU_KERNELS", "1") == "0":
+        logger.info("CPU kernels disabled by CONVOY_CPU_KERNELS=0")
+        return False
+    try:
+        from torch.utils.cpp_extension import load
 
-                tag, flags = _arch_flags()
-                load(
-                    name=f"convoy_cpu_kernels_{tag}",
-                    sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
-                    extra_cflags=["-O3", "-fopenmp", *flags],
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                    verbose=False,
-                )
-                ok = hasattr(torch.ops.convoy, "decode_attention")
-            except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
-                logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
-        _state["ok"] = ok
-        return ok
+        tag, flags = _arch_flags()
+        load(
+            name=f"convoy_cpu_kernels_{tag}",
+            sources=sorted(str(p) for p in _CSRC.glob("*.cpp")),
+            extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
+        logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
+        return False
+    return hasattr(torch.ops.convoy, "decode_attention")

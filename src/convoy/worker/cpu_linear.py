@@ -18,12 +18,8 @@ faster than torch's bf16 and on par with oneDNN fp32 (106-136 GFLOP/s at M=16..6
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 # Batch-size hint for the reorder; measured on 576x3072: the chosen layout serves M=1..300 alike.
 _PACK_HINT = 64
@@ -55,53 +51,62 @@ def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-class PackedLinear(nn.Module):
-    """Inference-only drop-in for an fp32 `nn.Linear` on the CPU, weight prepacked for oneDNN."""
+class _PrepackedLinear(nn.Module):
+    """Inference-only drop-in for an `nn.Linear`: the weight is packed once, at construction."""
+
+    kind = ""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        w = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_HINT)
+        self.packed = self._pack(linear.weight.detach())
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        y = self._linear_2d(x.reshape(-1, shape[-1]).contiguous())
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
 
 
-class Bf16PackedLinear(nn.Module):
-    """Inference-only drop-in for a bf16 `nn.Linear` on a CPU without native bf16 (csrc kernel)."""
+class PackedLinear(_PrepackedLinear):
+    """fp32 on the CPU, weight reordered for oneDNN."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
+    kind = "onednn"
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_HINT)
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class Bf16PackedLinear(_PrepackedLinear):
+    """bf16 on a CPU without native bf16: weight in 16-wide panels for csrc/bf16_linear.cpp."""
+
+    kind = "bf16-kernel"
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         from convoy.worker.cpu_kernels import cpu_kernels_available
 
         if not cpu_kernels_available():
             raise RuntimeError("the bf16 linear kernel could not be built (see the log)")
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        w = linear.weight.detach().to(torch.bfloat16)
-        self.packed = torch.ops.convoy.pack_bf16_weight(w)
-        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        return torch.ops.convoy.pack_bf16_weight(weight.to(torch.bfloat16))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.convoy.bf16_linear(
-            x.reshape(-1, shape[-1]), self.packed, self.bias, self.out_features
-        )
-        return y.view(*shape[:-1], self.out_features)
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.convoy.bf16_linear(x, self.packed, self.bias, self.out_features)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 kernel"
+
+_BY_KIND: dict[str, type[_PrepackedLinear]] = {c.kind: c for c in (PackedLinear, Bf16PackedLinear)}
 
 
 def pack_linears(model: nn.Module, kind: str = "onednn") -> int:
@@ -115,7 +120,6 @@ def pack_linears(model: nn.Module, kind: str = "onednn") -> int:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                packed = PackedLinear(child) if kind == "onednn" else Bf16PackedLinear(child)
-                setattr(module, name, packed)
+                setattr(module, name, _BY_KIND[kind](child))
                 count += 1
     return count

@@ -37,7 +37,7 @@ class ModelRunner:
         native_decode: bool = False,
     ) -> None:
         self.model = model
-        self.native_decode = native_decode  # decode attention by the csrc kernel (fp32 CPU)
+        self.native_decode = native_decode  # decode attention by the csrc kernel (CPU)
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
@@ -91,7 +91,9 @@ class ModelRunner:
                 decode_lens.append(start + 1)
             else:
                 ctx = start + n
-                blocks = self._blocks([table], ctx) if start > 0 else torch.empty(0)
+                blocks = (
+                    self._blocks([table], self._num_blocks(ctx)) if start > 0 else torch.empty(0)
+                )
                 prefills.append(PrefillSeq(flat, flat + n, ctx, blocks))
         dev = self.device
         meta = AttentionMetadata(
@@ -106,17 +108,19 @@ class ModelRunner:
         )
         if decode_idx:
             meta.decode_idx = torch.tensor(decode_idx, dtype=torch.long, device=dev)
-            num_blocks = (max(decode_lens) + bs - 1) // bs
+            num_blocks = self._num_blocks(max(decode_lens))
             meta.decode_len_max = num_blocks * bs
-            meta.decode_blocks = self._blocks(decode_tables, max(decode_lens))
+            meta.decode_blocks = self._blocks(decode_tables, num_blocks)
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
             meta.all_decode = not prefills
             meta.native_decode = self.native_decode
         return torch.tensor(ids, dtype=torch.long, device=dev), meta.positions, meta
 
-    def _blocks(self, tables: list[list[int]], length: int) -> torch.Tensor:
-        """(B * NB,) the first NB = ceil(length / block_size) blocks of each table, 0-padded."""
-        num_blocks = (length + self.block_size - 1) // self.block_size
+    def _num_blocks(self, length: int) -> int:
+        return (length + self.block_size - 1) // self.block_size
+
+    def _blocks(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+        """(B * num_blocks,) the first num_blocks blocks of each table, 0-padded."""
         padded: list[int] = []
         for t in tables:
             head = t[:num_blocks]

@@ -97,8 +97,8 @@ void decode_attention_impl(const at::Tensor& qc, const at::Tensor& k_cache, cons
 }
 
 at::Tensor decode_attention(
-    const at::Tensor& q,             // (B, H, D) fp32
-    const at::Tensor& k_cache,       // (Hkv, num_slots, D) fp32, contiguous
+    const at::Tensor& q,             // (B, H, D) fp32 or bf16
+    const at::Tensor& k_cache,       // (Hkv, num_slots, D) same dtype, contiguous
     const at::Tensor& v_cache,       // (Hkv, num_slots, D)
     const at::Tensor& block_tables,  // (B, NB) int64: blocks of each sequence, in order
     const at::Tensor& lens,          // (B,) int64: context length of each sequence (keys to read)
@@ -115,11 +115,11 @@ at::Tensor decode_attention(
   const at::Tensor bt = block_tables.contiguous();
   const at::Tensor ln = lens.contiguous();
   const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
-  const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), NB = bt.size(1);
+  const int64_t Hkv = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes() && H % Hkv == 0 &&
                   bt.size(0) == B && ln.size(0) == B, "shapes");
   at::Tensor out = at::empty({B, H, D}, qc.options());
-  if (qc.scalar_type() == at::kFloat) {
+  if (dt == at::kFloat) {
     decode_attention_impl<float>(qc, k_cache, v_cache, bt, ln, block_size, static_cast<float>(scale),
                                  window, out);
   } else {
