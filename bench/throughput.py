@@ -158,7 +158,7 @@ def bench_model_dtype(name: str, dtype: str, args: argparse.Namespace, log) -> l
         prepack_linears=not args.torch_path,
         cpu_kernels=not args.torch_path,
     )
-    worker = llm.engine.worker
+    worker = llm.core.worker
     log(
         f"[{name} {dtype}] Convoy loaded in {time.perf_counter() - t0:.1f}s ({llm.model_path.name});"
         f" packed linears: {worker.packed_linears}, native decode attention: {worker.native_decode}"
@@ -173,7 +173,7 @@ def bench_model_dtype(name: str, dtype: str, args: argparse.Namespace, log) -> l
         pad = tok._tok.pad_token_id
         pad = pad if pad is not None else tok.eos_token_id
         t0 = time.perf_counter()
-        hf = HFBaselines(str(llm.engine.worker.model_dir), getattr(torch, dtype), pad)
+        hf = HFBaselines(str(llm.core.worker.model_dir), getattr(torch, dtype), pad)
         log(f"[{name} {dtype}] transformers loaded in {time.perf_counter() - t0:.1f}s")
 
     rows = []

@@ -1,21 +1,33 @@
-"""Command line: `convoy serve [MODEL]` (the OpenAI-compatible server) and `convoy generate PROMPT`."""
+"""Command line: `convoy serve [MODEL]` (the OpenAI-compatible server) and `convoy generate PROMPT`.
+
+The flags are generated from the config dataclasses in config.py (one `--field-name` per leaf
+setting, defaults and help from the fields), so a setting added there appears here by itself.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+from convoy.config import (
+    ConfigError,
+    ConfigField,
+    EngineConfig,
+    ServerConfig,
+    format_size,
+    leaf_fields,
+    parse_size,
+)
 
 
-def parse_size(text: str) -> int:
-    """Bytes from "2GiB", "512MiB", "1.5G" or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]i?)?b?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive(text: str) -> int:
@@ -25,65 +37,117 @@ def _positive(text: str) -> int:
     return value
 
 
-def _add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+# How a flag's text becomes a value: by the field's `kind` metadata, else by its type.
+_PARSERS: dict[Any, tuple[Callable[[str], Any], str | None]] = {
+    "size": (_size, "SIZE"),
+    "positive": (_positive, "N"),
+    int: (int, "N"),
+    float: (float, "X"),
+    str: (str, None),
+}
+
+
+def _leaf(cls: type, name: str) -> ConfigField:
+    return next(leaf for leaf in leaf_fields(cls) if leaf.name == name)
+
+
+def _flag(leaf: ConfigField) -> str:
+    return "--" + leaf.name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, leaves: Iterable[ConfigField]) -> None:
+    """One flag per leaf setting: `--name` (dest `name`), default and help from the field."""
+    for leaf in leaves:
+        if leaf.type is bool:
+            action = parser.add_argument(
+                _flag(leaf),
+                action=argparse.BooleanOptionalAction,
+                default=leaf.default,
+                help=leaf.help,
+            )
+            if "%(default)" not in (action.help or ""):  # Python versions that don't add it
+                action.help = f"{leaf.help} (default: %(default)s)"
+            continue
+        key = leaf.kind if leaf.kind is not None else leaf.type
+        if key not in _PARSERS:
+            raise TypeError(f"no command-line parser for {leaf.name}: {key!r}")
+        parse, metavar = _PARSERS[key]
+        help_text = leaf.help
+        if leaf.default is not None:
+            shown = format_size(leaf.default) if leaf.kind == "size" else leaf.default
+            help_text += f" (default: {shown})"
+        parser.add_argument(
+            _flag(leaf),
+            type=parse,
+            default=leaf.default,
+            choices=leaf.choices,
+            metavar=None if leaf.choices else metavar,
+            help=help_text.replace("%", "%%"),
+        )
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("model", nargs="?", default=None, help="short name, .gguf file or HF folder")
-    serve.add_argument("--model", dest="model_flag", default=None, help="same as MODEL")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    serve.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    serve.add_argument("--served-model-name", default=None, help="name clients send as `model`")
+    model = _leaf(ServerConfig, "model")
+    serve.add_argument("model", nargs="?", default=model.default, help=model.help)
     serve.add_argument(
-        "--api-key",
-        default=os.environ.get("CONVOY_API_KEY"),
-        help="require `Authorization: Bearer KEY` (default: $CONVOY_API_KEY)",
+        "--model", dest="model_flag", metavar="MODEL", default=None, help="same as MODEL"
     )
-    serve.add_argument("--max-num-seqs", type=_positive, default=256)
-    serve.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
-    serve.add_argument("--max-model-len", type=_positive, default=None)
-    serve.add_argument(
-        "--kv-cache-memory", type=parse_size, default=2 << 30, help="KV pool budget, e.g. 2GiB"
+    add_config_arguments(
+        serve, (leaf for leaf in leaf_fields(ServerConfig) if leaf.name != "model")
     )
-    serve.add_argument("--max-prompts-per-request", type=_positive, default=1024)
-    serve.add_argument(
-        "--max-queue",
-        type=_positive,
-        default=None,
-        help="answer 429 while this many engine requests (one per prompt) are in flight",
+    # The key may come from the environment rather than the command line.
+    serve.set_defaults(
+        api_key=os.environ.get("CONVOY_API_KEY") or _leaf(ServerConfig, "api_key").default
     )
-    serve.add_argument("--max-request-bytes", type=parse_size, default=32 << 20)
-    serve.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
-    )
+    return serve
 
 
-def _serve(args: argparse.Namespace) -> None:
+def _add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    gen = sub.add_parser("generate", help="one-shot greedy generation")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    add_config_arguments(gen, leaf_fields(EngineConfig))
+    add_config_arguments(gen, [_leaf(ServerConfig, "log_level")])
+    return gen
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="convoy")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    _add_serve_parser(sub)
+    return parser
+
+
+def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
+    values = {leaf.name: getattr(args, leaf.name) for leaf in leaf_fields(ServerConfig)}
+    values["model"] = args.model_flag or args.model
+    values["api_key"] = values["api_key"] or None
+    try:
+        return ServerConfig.from_kwargs(**values)
+    except ConfigError as e:
+        parser.error(str(e))
+
+
+def parse_serve_args(argv: Sequence[str] = ()) -> ServerConfig:
+    """The settings `convoy serve ARGV...` would run with, without starting anything."""
+    parser = build_parser()
+    return _settings(parser.parse_args(["serve", *argv]), parser)
+
+
+def _serve(settings: ServerConfig) -> None:
     import uvicorn
 
-    from convoy.api.server import ServerSettings, build_app
+    from convoy.api.server import build_app
 
-    settings = ServerSettings(
-        model=args.model_flag or args.model,
-        dtype=args.dtype,
-        device=args.device,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key or None,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        max_prompts_per_request=args.max_prompts_per_request,
-        max_queue=args.max_queue,
-        max_request_bytes=args.max_request_bytes,
-    )
     # uvicorn handles SIGINT/SIGTERM: stop accepting, let in-flight requests finish (up to the
     # grace period), then the lifespan shuts the engine down. Our own middleware logs requests.
     uvicorn.run(
         build_app(settings),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=30,
     )
@@ -92,24 +156,18 @@ def _serve(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> None:
     from convoy import LLM, SamplingParams
 
-    llm = LLM(model=args.model)
+    llm = LLM(**{leaf.name: getattr(args, leaf.name) for leaf in leaf_fields(EngineConfig)})
     out = llm.generate([args.prompt], SamplingParams(temperature=0, max_tokens=args.max_tokens))
     print(args.prompt + out[0].outputs[0].text)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="convoy")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="one-shot greedy generation")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", default=None)
-    gen.add_argument("--max-tokens", type=int, default=32)
-    _add_serve_parser(sub)
+    parser = build_parser()
     args = parser.parse_args(argv)
-    level = getattr(logging, getattr(args, "log_level", "info").upper())
+    level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        _serve(args)
+        _serve(_settings(args, parser))
     else:
         _generate(args)
 

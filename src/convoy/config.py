@@ -1,11 +1,21 @@
-"""Configuration dataclasses. Validation lives here; argument parsing lives in cli.py."""
+"""Configuration dataclasses: the single source of every engine and server setting.
+
+Defaults live only in the dataclass fields below. Each field's `metadata` carries its command-line
+help (and, where needed, a parser `kind` and `choices`); cli.py generates the `convoy serve` and
+`convoy generate` flags from them, and `from_kwargs` builds a nested config from flat leaf names
+(`EngineConfig.from_kwargs(block_size=8)`). Validation lives here too.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 
 class ConfigError(ValueError):
@@ -129,45 +139,213 @@ def _scaling(params: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if kind == "default" else {**params, "rope_type": kind}
 
 
-@dataclass(slots=True)
-class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int = 2 << 30  # bytes for K/V blocks; the pool is sized from this budget
-    num_blocks: int | None = None  # set directly to override the memory budget (tests)
-    enable_prefix_caching: bool = True
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from "2GiB", "512MiB", "1.5G" or a plain number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]i?)?b?\s*", text.lower())
+    if match is None:
+        raise ConfigError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
+
+
+def format_size(num_bytes: int) -> str:
+    """The shortest exact binary form: 2 << 30 -> "2GiB", 32 << 20 -> "32MiB", 1000 -> "1000"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes and num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}"
+    return str(num_bytes)
+
+
+def setting(
+    default: Any, help: str, *, kind: str | None = None, choices: Sequence[str] | None = None
+) -> Any:
+    """A config field with its command-line metadata.
+
+    kind: "size" (bytes, parsed by parse_size) or "positive" (an int > 0, checked on construction).
+    Other fields parse by their annotated type; bools become --flag/--no-flag.
+    """
+    meta = {"help": help, "kind": kind, "choices": tuple(choices) if choices else None}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigField:
+    """One leaf setting of a (possibly nested) config dataclass, as the CLI generator sees it."""
+
+    name: str  # unique across the nested configs: also the flat keyword and the --flag name
+    type: type  # int, str or bool (Optional stripped)
+    default: Any
+    help: str
+    kind: str | None
+    choices: tuple[str, ...] | None
+
+
+def _is_config(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+_LEAVES: dict[type, tuple[ConfigField, ...]] = {}
+
+
+def leaf_fields(cls: type) -> tuple[ConfigField, ...]:
+    """The leaf settings of a config dataclass, depth first (nested configs are flattened)."""
+    if cls not in _LEAVES:
+        leaves: list[ConfigField] = []
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            if _is_config(hint):
+                leaves.extend(leaf_fields(hint))
+                continue
+            args = typing.get_args(hint)
+            base = next((a for a in args if a is not type(None)), hint)
+            factory: Any = f.default_factory
+            default = factory() if f.default is dataclasses.MISSING else f.default
+            leaves.append(
+                ConfigField(
+                    f.name,
+                    base,
+                    default,
+                    f.metadata.get("help", ""),
+                    f.metadata.get("kind"),
+                    f.metadata.get("choices"),
+                )
+            )
+        names = [leaf.name for leaf in leaves]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise TypeError(f"{cls.__name__}: leaf field names must be unique, repeated: {dupes}")
+        _LEAVES[cls] = tuple(leaves)
+    return _LEAVES[cls]
+
+
+def _build(cls: type, flat: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if _is_config(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], flat)
+        elif f.name in flat:
+            kwargs[f.name] = flat[f.name]
+    return cls(**kwargs)
+
+
+class _Config:
+    """Shared behaviour of the nested config dataclasses: flat construction, range checks."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> Self:
+        """Build from flat leaf names, e.g. `EngineConfig.from_kwargs(block_size=8, dtype="bf16")`;
+        each goes to the sub-config that declares it, the rest keep their defaults."""
+        unknown = sorted(set(kwargs) - {leaf.name for leaf in leaf_fields(cls)})
+        if unknown:
+            raise TypeError(f"{cls.__name__}: unknown setting(s) {', '.join(unknown)}")
+        result: Self = _build(cls, kwargs)
+        return result
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.kv_cache_memory <= 0:
-            raise ConfigError("block_size and kv_cache_memory must be positive")
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if f.metadata.get("kind") in ("positive", "size") and value is not None and value <= 0:
+                raise ConfigError(f"{f.name} must be positive, got {value}")
+        self._validate()
+
+    def _validate(self) -> None:
+        """Checks beyond positivity; overridden where needed."""
+
+
+DTYPES = ("auto", "float32", "bfloat16")
+_DTYPE_ALIASES = ("fp32", "bf16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256  # sequences in one step
-    max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
-    max_model_len: int | None = None  # None = the model's context length
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
-            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+class CacheConfig(_Config):
+    block_size: int = setting(16, "tokens per KV-cache block", kind="positive")
+    kv_cache_memory: int = setting(
+        2 << 30,
+        "KV pool budget (512MiB, 2GiB, or bytes); the block pool is sized from it",
+        kind="size",
+    )
+    num_kv_blocks: int | None = setting(
+        None,
+        "KV blocks in the pool, overriding --kv-cache-memory (default: from the budget)",
+        kind="positive",
+    )
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV blocks of prompt prefixes shared between requests"
+    )
 
 
 @dataclass(slots=True)
-class EngineConfig:
-    model: str | None = None  # short name, .gguf path or HF folder; None = the default model
-    dtype: str = "auto"  # auto | float32 | bfloat16
-    device: str = "auto"  # auto | cpu | cuda
+class SchedulerConfig(_Config):
+    max_num_seqs: int = setting(256, "sequences in one engine step", kind="positive")
+    max_num_batched_tokens: int = setting(
+        2048, "tokens in one engine step (prefill chunks + decodes)", kind="positive"
+    )
+    max_model_len: int | None = setting(
+        None, "longest prompt + completion (default: the model's context length)", kind="positive"
+    )
+
+
+@dataclass(slots=True)
+class EngineConfig(_Config):
+    model: str | None = setting(
+        None, "short name, .gguf file or HF folder (default: smollm2-135m-instruct)"
+    )
+    dtype: str = setting(
+        "auto",
+        "weights and activations; auto: bf16 on CUDA and AVX512-BF16 CPUs, else fp32",
+        choices=DTYPES,
+    )
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    prepack_linears: bool = setting(
+        True,
+        "CPU: prepack linear weights once (fp32: oneDNN; bf16: Convoy's kernels without native bf16)",
+    )
+    cpu_kernels: bool = setting(
+        True,
+        "CPU: decode attention by Convoy's compiled kernel (the torch path if it is not built)",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    seed: int = 0
-    # CPU: linears with weights prepacked once: fp32 via oneDNN, bf16 via worker/csrc on CPUs
-    # without native bf16 (worker/cpu_linear.py)
-    prepack_linears: bool = True
-    # CPU (fp32, bf16): decode attention by the compiled kernel in worker/csrc (torch path if no build)
-    cpu_kernels: bool = True
 
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "fp32", "bf16"):
+    def _validate(self) -> None:
+        if self.dtype not in DTYPES + _DTYPE_ALIASES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"unsupported device {self.device!r}")
+
+
+@dataclass(slots=True)
+class ServerConfig(_Config):
+    """Everything `convoy serve` configures (convoy.api.server.ServerSettings is this class)."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = setting(
+        None, "the `model` name clients send; others answer 404 (default: the model's name)"
+    )
+    api_key: str | None = setting(
+        None,
+        "require `Authorization: Bearer KEY` on every route but /health (default: $CONVOY_API_KEY)",
+    )
+    max_prompts_per_request: int = setting(
+        1024, "longest `prompt` list in one request (more: 400)", kind="positive"
+    )
+    max_queue: int | None = setting(
+        None,
+        "answer 429 while this many engine requests (one per prompt) are in flight (default: unlimited)",
+        kind="positive",
+    )
+    max_request_bytes: int = setting(32 << 20, "larger request bodies answer 413", kind="size")
+    log_level: str = setting(
+        "info", "server log level (info: one line per request)", choices=LOG_LEVELS
+    )

@@ -44,4 +44,7 @@ class RequestOutput:
     # Per prompt token (the first is None: nothing predicts it), when prompt_logprobs was asked.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Tokens generated for this prompt by every sequence, best_of candidates not returned too
+    # (what usage.completion_tokens bills).
+    num_generated_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times

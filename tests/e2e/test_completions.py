@@ -137,8 +137,10 @@ def test_max_tokens_gives_length_finish(client: OpenAI) -> None:
     assert completion.usage is not None and completion.usage.completion_tokens == 3
 
 
-def test_best_of_returns_the_n_best_choices(client: OpenAI) -> None:
-    completion = complete(client, PROMPTS[5], n=2, best_of=3, temperature=0.8, seed=5)
+def test_best_of_returns_the_n_best_choices_and_bills_every_candidate(client: OpenAI) -> None:
+    completion = complete(
+        client, PROMPTS[5], n=2, best_of=3, temperature=0.8, seed=5, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in completion.choices] == [0, 1]
     assert completion.usage is not None
-    assert completion.usage.completion_tokens <= 2 * MAX_TOKENS
+    assert completion.usage.completion_tokens == 3 * MAX_TOKENS  # as OpenAI bills best_of

@@ -28,8 +28,8 @@ def test_batch_equals_alone_under_preemption_and_chunked_prefill(alone: list[lis
     small = LLM(dtype="float32", num_kv_blocks=24, max_num_batched_tokens=24)
     outs = small.generate(prompts16(), GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == alone
-    assert small.engine.scheduler.num_preemptions > 0
-    assert small.engine.block_manager.num_used_blocks == 0
+    assert small.core.scheduler.num_preemptions > 0
+    assert small.core.block_manager.num_used_blocks == 0
 
 
 def test_seed_is_reproducible_alone_and_in_a_batch(llm: LLM) -> None:
@@ -53,12 +53,12 @@ def test_shared_header_is_computed_once(llm: LLM) -> None:
     prompts = [f"{header}\nQuestion {i}: what comes next?" for i in range(32)]
     header_len = len(llm.tokenizer.encode(header))
     assert header_len >= 200
-    before = llm.engine.stats().num_prompt_tokens
+    before = llm.core.stats().num_prompt_tokens
     params = SamplingParams(temperature=0, max_tokens=2)
-    computed_before = llm.engine.num_computed_tokens
+    computed_before = llm.core.scheduler.num_computed_tokens
     outs = llm.generate(prompts, params)
-    computed = llm.engine.num_computed_tokens - computed_before
-    prompt_tokens = llm.engine.stats().num_prompt_tokens - before
+    computed = llm.core.scheduler.num_computed_tokens - computed_before
+    prompt_tokens = llm.core.stats().num_prompt_tokens - before
     cached = sum(o.num_cached_tokens for o in outs)
     # All but the first prompt reuse the header's full blocks.
     assert cached >= 31 * (header_len // 16 * 16)

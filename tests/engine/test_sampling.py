@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,9 +35,7 @@ def test_stop_string_split_across_tokens(llm: LLM) -> None:
 def test_logprobs_equal_reference_log_softmax(llm: LLM) -> None:
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(
-        str(llm.engine.worker.model_dir), dtype=torch.float32
-    )
+    ref = AutoModelForCausalLM.from_pretrained(str(llm.core.worker.model_dir), dtype=torch.float32)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=3)
     out = llm.generate([PROMPT], params)[0]
     ids = out.prompt_token_ids + out.outputs[0].token_ids
@@ -64,13 +63,24 @@ def test_n_and_best_of_shapes(llm: LLM) -> None:
     assert [len(o.outputs) for o in outs] == [3, 3]
     assert [c.index for c in outs[0].outputs] == [0, 1, 2]
     assert len({c.text for c in outs[0].outputs}) > 1
-    best = llm.generate(
-        ["Once upon a time"],
-        SamplingParams(n=2, best_of=5, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
-    )[0]
+    params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=7, max_tokens=8, logprobs=0)
+    best = llm.generate(["Once upon a time"], params)[0]
     assert [c.index for c in best.outputs] == [0, 1]
-    lps = [c.cumulative_logprob for c in best.outputs]
-    assert all(lp is not None for lp in lps) and lps[0] >= lps[1]  # type: ignore[operator]
+    # Ranked by the mean logprob per generated token of the raw distribution (what the API
+    # reports as each token's logprob), not by the sum, which favours short candidates.
+    means = []
+    for c in best.outputs:
+        assert c.logprobs is not None and c.cumulative_logprob is not None
+        sampled = [entry[t] for entry, t in zip(c.logprobs, c.token_ids, strict=True)]
+        assert c.cumulative_logprob == pytest.approx(sum(sampled), abs=1e-4)
+        means.append(c.cumulative_logprob / len(c.token_ids))
+    assert means[0] >= means[1]
+    # Every candidate's tokens are counted (usage bills them), not only the returned ones.
+    alone = llm.generate(["Once upon a time"], replace(params, n=5, best_of=None))[0]
+    assert best.num_generated_tokens == sum(len(c.token_ids) for c in alone.outputs)
+    # Seeded children are batch-invariant: best_of's candidates are n=5's five choices.
+    candidates = [(c.cumulative_logprob or 0.0) / len(c.token_ids) for c in alone.outputs]
+    assert means == pytest.approx(sorted(candidates, reverse=True)[:2], abs=1e-5)
 
 
 def test_min_tokens_logit_bias_and_max_tokens(llm: LLM) -> None:
@@ -96,7 +106,8 @@ def test_abort_frees_every_block(llm: LLM) -> None:
             temperature=0, max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA
         )
         ids = engine.tokenizer.encode("Count to a thousand: 1, 2, 3,")
-        streams = [engine.generate(ids, params, f"r{i}") for i in range(4)]
+        requests = [engine.frontend.inputs.process(ids, params, f"r{i}") for i in range(4)]
+        streams = [engine.generate(r) for r in requests]
         for s in streams:
             await anext(s)  # every request is running
         assert engine.stats().num_kv_blocks_used > 0
@@ -121,4 +132,4 @@ def test_max_tokens_zero_scores_the_prompt_only(llm: LLM) -> None:
     assert choice.token_ids == [] and choice.text == ""
     assert choice.finish_reason == FinishReason.LENGTH
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.core.block_manager.num_used_blocks == 0

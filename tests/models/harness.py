@@ -8,8 +8,13 @@ import torch
 from torch import nn
 
 from convoy.config import ModelConfig
+from convoy.sampling_params import SamplingParams
+from convoy.worker.batch import PromptScoring, SamplerRow, ScheduledSeq
 from convoy.worker.kv_cache import allocate_kv_cache
-from convoy.worker.model_runner import ModelRunner, ScheduledSeq
+from convoy.worker.model_runner import ModelRunner
+
+# The runner only asks whether a sequence samples; the sampler is not used here.
+_GREEDY = SamplerRow(SamplingParams(temperature=0), None, [], [], [], need_logprob=False)
 
 
 def convoy_greedy(
@@ -34,8 +39,8 @@ def convoy_greedy(
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)
     tables = [[free.pop() for _ in range(per_seq)] for _ in prompts]
-    seqs = [
-        ScheduledSeq(list(p), 0, tables[i], need_logits=True, prompt_logits_from=0)
+    seqs = [  # logits of every prompt position (scoring from position 1), and a sample row
+        ScheduledSeq(f"s{i}", list(p), 0, tables[i], _GREEDY, PromptScoring(1, p[1:], 0))
         for i, p in enumerate(prompts)
     ]
     out = runner.execute(seqs)
@@ -43,7 +48,7 @@ def convoy_greedy(
     tokens = [[int(t)] for t in out.logits.argmax(-1)]
     for _ in range(steps - 1):
         seqs = [
-            ScheduledSeq([toks[-1]], len(p) + len(toks) - 1, tables[i], need_logits=True)
+            ScheduledSeq(f"s{i}", [toks[-1]], len(p) + len(toks) - 1, tables[i], _GREEDY)
             for i, (p, toks) in enumerate(zip(prompts, tokens, strict=True))
         ]
         nxt = runner.execute(seqs).logits.argmax(-1)

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from convoy.engine.tokenizer import Tokenizer
+from convoy.kernels.linear import onednn_linear_available, pack_linears
 from convoy.models.loader import load_model, resolve_model
-from convoy.worker.cpu_kernels import cpu_kernels_available
-from convoy.worker.cpu_linear import onednn_linear_available, pack_linears
 from tests.models.harness import convoy_greedy, reference_greedy
 
 PROMPTS = [
@@ -32,7 +31,7 @@ def pair(request):
     ref = AutoModelForCausalLM.from_pretrained(
         str(resolved.weights_path.parent), gguf_file=resolved.weights_path.name, dtype=torch.float32
     ).eval()
-    tok = Tokenizer(resolved.model_dir, resolved.config.model_type)
+    tok = Tokenizer(resolved.model_dir)
     return resolved, ours, ref, tok
 
 
@@ -55,15 +54,14 @@ def reference(pair):
 
 
 @pytest.mark.parametrize("path", ["torch", "cpu-fast"])
-def test_prefill_and_greedy_parity_batched(pair, reference, path: str) -> None:
+def test_prefill_and_greedy_parity_batched(request, pair, reference, path: str) -> None:
     """torch: plain linears, gathered attention. cpu-fast: what the Worker runs for fp32 on the
     CPU (prepacked oneDNN linears, compiled decode-attention kernel)."""
     resolved, ours, _, _ = pair
     if path == "cpu-fast":
         if not onednn_linear_available(torch.device("cpu"), torch.float32):
             pytest.skip("no oneDNN")
-        if not cpu_kernels_available():
-            pytest.skip("no C++ toolchain")
+        request.getfixturevalue("cpu_kernels")  # skips only without a C++ compiler
         ours = copy.deepcopy(ours)
         assert pack_linears(ours) > 0
     prompts, refs = reference
@@ -77,14 +75,12 @@ def test_prefill_and_greedy_parity_batched(pair, reference, path: str) -> None:
         assert our_tokens == ref_tokens
 
 
-def test_bf16_cpu_kernels_as_accurate_as_reference_bf16(pair, reference) -> None:
-    """bf16 on a CPU without native bf16 runs our kernels (worker/csrc): widened to fp32 in registers
-    with fp32 accumulation. Measured against the fp32 reference, its prefill logits must be about as
-    close as transformers' own bf16 run (measured: mean |err| 0.154 vs 0.170 smollm2, 0.059 vs 0.068
-    gemma3; max 1.45 vs 1.34, 0.53 vs 0.61)."""
+def test_bf16_cpu_kernels_as_accurate_as_reference_bf16(cpu_kernels, pair, reference) -> None:
+    """bf16 on a CPU without native bf16 runs our kernels (kernels/csrc): widened to fp32 in
+    registers with fp32 accumulation. Measured against the fp32 reference, its prefill logits must
+    be about as close as transformers' own bf16 run (measured: mean |err| 0.154 vs 0.170 smollm2,
+    0.059 vs 0.068 gemma3; max 1.45 vs 1.34, 0.53 vs 0.61)."""
     resolved, _, ref, _ = pair
-    if not cpu_kernels_available():
-        pytest.skip("no C++ toolchain")
     prompts, refs = reference
     ref16 = copy.deepcopy(ref).to(torch.bfloat16)
     ref16_logits = [reference_greedy(ref16, p, steps=1)[0] for p in prompts]

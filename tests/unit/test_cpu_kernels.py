@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from convoy.worker.attention import AttentionMetadata, _decode_attention
-from convoy.worker.cpu_kernels import cpu_kernels_available
+from convoy import kernels
+from convoy.models.attention import AttentionMetadata, _decode_attention
 
-pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ toolchain")
+# builds the kernels; skips only without a C++ compiler (tests/unit/conftest.py)
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.mark.parametrize(
@@ -67,6 +68,6 @@ def test_decode_kernel_rejects_out_of_range_blocks() -> None:
     k_cache = torch.zeros(1, 32, 8)
     q = torch.zeros(1, 2, 8)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        torch.ops.convoy.decode_attention(
+        kernels.decode_attention(
             q, k_cache, k_cache, torch.tensor([[99]]), torch.tensor([3]), 16, 1.0, 0
         )

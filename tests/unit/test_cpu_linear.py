@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from convoy.worker.cpu_linear import PackedLinear, onednn_linear_available, pack_linears
+from convoy.kernels.linear import PackedLinear, onednn_linear_available, pack_linears
 
 pytestmark = pytest.mark.skipif(
     not onednn_linear_available(torch.device("cpu"), torch.float32), reason="no oneDNN"
@@ -54,12 +54,11 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_embedding() -> None:
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 13, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_kernel_linear_matches_fp32_math_on_bf16_weights(rows: int, bias: bool) -> None:
-    from convoy.worker.cpu_kernels import cpu_kernels_available
-    from convoy.worker.cpu_linear import Bf16PackedLinear
+def test_bf16_kernel_linear_matches_fp32_math_on_bf16_weights(
+    cpu_kernels: None, rows: int, bias: bool
+) -> None:
+    from convoy.kernels.linear import Bf16PackedLinear
 
-    if not cpu_kernels_available():
-        pytest.skip("no C++ toolchain")
     torch.manual_seed(rows)
     linear = nn.Linear(72, 37, bias=bias).to(torch.bfloat16)  # 37: a partial 16-wide panel
     packed = Bf16PackedLinear(linear)

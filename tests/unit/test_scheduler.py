@@ -8,7 +8,9 @@ from convoy.config import SchedulerConfig
 from convoy.engine.block_manager import BlockManager
 from convoy.engine.request import Request, RequestStatus
 from convoy.engine.scheduler import Scheduler
+from convoy.outputs import FinishReason
 from convoy.sampling_params import SamplingParams
+from convoy.worker.batch import ModelRunnerOutput
 
 BS = 4
 _ids = itertools.count()
@@ -23,24 +25,26 @@ def _req(group: str, prompt_len: int, max_tokens: int = 8) -> Request:
 
 
 class FakeEngine:
-    """Plays the engine's part: after each step, sequences that reached their end get a token."""
+    """Plays the worker's part: every sequence that samples in a step gets `token`."""
 
-    def __init__(self, num_blocks: int, max_seqs: int = 8, max_tokens: int = 64) -> None:
+    def __init__(
+        self, num_blocks: int, max_seqs: int = 8, max_tokens: int = 64, max_model_len: int = 4096
+    ) -> None:
         self.bm = BlockManager(num_blocks, BS)
-        self.sched = Scheduler(SchedulerConfig(max_seqs, max_tokens), self.bm)
+        self.sched = Scheduler(SchedulerConfig(max_seqs, max_tokens), self.bm, max_model_len)
         self.steps = 0
+        self.token = 7
 
     def step(self) -> list[tuple[Request, int]]:
         out = self.sched.schedule()
         self.steps += 1
-        for req, n in out.scheduled:
+        runner_out = ModelRunnerOutput()
+        for (req, n), seq in zip(out.scheduled, out.seqs, strict=True):
             assert req.num_computed_tokens + n <= req.num_tokens
-            req.num_computed_tokens += n
-            self.bm.cache_computed(req)
-            if req.num_computed_tokens == req.num_tokens:
-                req.token_ids.append(7)
-                if req.num_output_tokens >= (req.params.max_tokens or 0):
-                    self.sched.finish(req)
+            assert seq.req_id == req.req_id and len(seq.token_ids) == n
+            if seq.sampling is not None:
+                runner_out.sampled_token_ids[seq.req_id] = self.token
+        self.sched.update_from_output(out, runner_out)
         return out.scheduled
 
     def run(self, limit: int = 10_000) -> None:
@@ -118,3 +122,38 @@ def test_shared_prefix_is_computed_once() -> None:
     # Header once, each request's 2-token tail, plus one decode step each.
     assert computed == 40 + 8 * 2 + 8 * 1
     assert all(r.num_cached_tokens == 40 for r in reqs[1:])
+
+
+def test_update_from_output_finishes_on_stop_tokens_and_lengths() -> None:
+    eng = FakeEngine(num_blocks=64, max_model_len=10)
+    eos = Request("eos", [1, 2, 3], SamplingParams(max_tokens=8), "g", 0.0)
+    eos.eos_token_ids = frozenset({7})
+    early = Request("early", [1, 2, 4], SamplingParams(max_tokens=8, min_tokens=2), "g", 0.0)
+    early.eos_token_ids = frozenset({7})  # EOS is not a stop below min_tokens
+    stop_id = Request("stop-id", [1, 2, 5], SamplingParams(stop_token_ids=[7]), "g", 0.0)
+    ctx = Request("ctx", [1] * 8, SamplingParams(max_tokens=None), "g", 0.0)
+    for r in (eos, early, stop_id, ctx):
+        eng.sched.add_request(r)
+    eng.step()
+    assert (eos.finish_reason, eos.stop_reason) == (FinishReason.STOP, None)
+    assert (stop_id.finish_reason, stop_id.stop_reason) == (FinishReason.STOP, 7)
+    assert early.finish_reason is None and ctx.finish_reason is None
+    eng.step()
+    assert early.finish_reason == FinishReason.STOP and early.num_output_tokens == 2
+    assert ctx.finish_reason == FinishReason.LENGTH and ctx.num_tokens == 10  # the context
+    assert eos.status == RequestStatus.FINISHED and not eng.sched.has_work()
+    assert eng.bm.num_used_blocks == 0
+
+
+def test_finish_requests_frees_waiting_and_running_sequences() -> None:
+    eng = FakeEngine(num_blocks=64, max_seqs=1)
+    running, waiting = _req("a", 6), _req("b", 6)
+    eng.sched.add_request(running)
+    eng.sched.add_request(waiting)
+    eng.step()
+    assert running.status == RequestStatus.RUNNING and waiting.status == RequestStatus.WAITING
+    ended = eng.sched.finish_requests([running.req_id, waiting.req_id, "gone"], FinishReason.ABORT)
+    assert ended == [running, waiting]
+    assert all(r.finish_reason == FinishReason.ABORT for r in ended)
+    assert not eng.sched.has_work() and eng.bm.num_used_blocks == 0
+    assert eng.sched.finish_requests([running.req_id], FinishReason.STOP) == []  # once only

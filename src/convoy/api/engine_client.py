@@ -21,6 +21,7 @@ from convoy.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from convoy.engine.async_engine import AsyncEngine
+    from convoy.engine.request import EngineRequest
     from convoy.engine.tokenizer import Tokenizer
 
 
@@ -32,8 +33,10 @@ class Prompt:
 
 @dataclass(slots=True)
 class ServingLimits:
-    max_prompts_per_request: int = 1024
-    max_queue: int | None = None  # engine requests in flight before answering 429
+    """The server's admission limits (defaults: ServerConfig)."""
+
+    max_prompts_per_request: int
+    max_queue: int | None  # engine requests in flight before answering 429
 
 
 _END = object()
@@ -73,46 +76,35 @@ class EngineClient:
             )
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        if not token_ids:
-            raise APIError(400, f"{param} must not be empty", param=param)
-        vocab_size = self.tokenizer.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                400, f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param=param
-            )
+        """Token ids from a client (e.g. /detokenize) must lie in the model's vocabulary."""
+        self.engine.frontend.inputs.check_token_ids(token_ids, param)
 
-    def validate(self, prompts: list[Prompt], params: SamplingParams, param: str) -> None:
-        """Every check that can fail, for every prompt, before any prompt is queued."""
-        if params.stop_token_ids:
-            self.check_token_ids(params.stop_token_ids, "stop_token_ids")
-        for prompt in prompts:
-            self.check_token_ids(prompt.token_ids, param)
-            num_tokens = len(prompt.token_ids)
-            if num_tokens >= self.max_model_len:
-                raise APIError(400, self._too_long(num_tokens, 0), param=param)
-            if (
-                params.max_tokens is not None
-                and num_tokens + params.max_tokens > self.max_model_len
-            ):
-                raise APIError(400, self._too_long(num_tokens, params.max_tokens), "max_tokens")
-            self.engine.validate(prompt.token_ids, params)
+    def process(
+        self, api_id: str, prompts: list[Prompt], params: SamplingParams, param: str
+    ) -> list[EngineRequest]:
+        """The engine's front-door checks for every prompt, before any prompt is queued.
 
-    def _too_long(self, num_prompt_tokens: int, max_tokens: int) -> str:
-        return (
-            f"this model's maximum context length is {self.max_model_len} tokens; the request"
-            f" has {num_prompt_tokens} prompt tokens and asks for {max_tokens} completion tokens"
-        )
+        Prompt i becomes engine request `{api_id}-{i}`; all share the group `api_id`.
+        """
+        return [
+            self.engine.frontend.inputs.process(
+                p.token_ids,
+                params,
+                f"{api_id}-{i}",
+                p.text,
+                api_id,
+                param=param,
+                max_tokens_must_fit=True,
+            )  # fmt: skip
+            for i, p in enumerate(prompts)
+        ]
 
     async def generate(
-        self, api_id: str, prompts: list[Prompt], params: SamplingParams, record: RequestRecord
+        self, requests: list[EngineRequest], record: RequestRecord
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Run every prompt as its own engine request; yield (prompt index, output) as they come."""
         queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-        tasks = [
-            asyncio.create_task(self._pump(queue, i, f"{api_id}-{i}", p, params, api_id))
-            for i, p in enumerate(prompts)
-        ]
+        tasks = [asyncio.create_task(self._pump(queue, i, r)) for i, r in enumerate(requests)]
         try:
             num_running = len(tasks)
             while num_running:
@@ -137,17 +129,11 @@ class EngineClient:
         self,
         queue: asyncio.Queue[tuple[int, object]],
         index: int,
-        req_id: str,
-        prompt: Prompt,
-        params: SamplingParams,
-        group_id: str,
+        request: EngineRequest,
     ) -> None:
         self.num_in_flight += 1
         try:
-            outputs = self.engine.generate(
-                prompt.token_ids, params, req_id, prompt=prompt.text, group_id=group_id
-            )
-            async for out in outputs:
+            async for out in self.engine.generate(request):
                 queue.put_nowait((index, out))
             queue.put_nowait((index, _END))
         except Exception as e:  # noqa: BLE001 - hand it to the consumer, which re-raises it

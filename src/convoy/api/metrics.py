@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:  # the engine module pulls in torch; metrics only needs the type
-    from convoy.engine.async_engine import EngineStats
+if TYPE_CHECKING:
+    from convoy.engine.stats import EngineStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

@@ -11,9 +11,8 @@ import asyncio
 import importlib.metadata
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -38,7 +37,8 @@ from convoy.api.protocol import (
 )
 from convoy.api.serving_chat import ChatServing, render_chat
 from convoy.api.serving_completion import CompletionServing
-from convoy.config import CacheConfig, EngineConfig, SchedulerConfig
+from convoy.api.sse import sse_response
+from convoy.config import ServerConfig
 
 if TYPE_CHECKING:
     from convoy.engine.async_engine import AsyncEngine
@@ -51,35 +51,9 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree, n
     VERSION = "0.0.0+unknown"
 
 
-@dataclass(slots=True)
-class ServerSettings:
-    """Everything `convoy serve` configures; the CLI builds it, tests and benchmarks may too."""
-
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    served_model_name: str | None = None  # default: the engine's model name
-    api_key: str | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_memory: int = 2 << 30
-    max_prompts_per_request: int = 1024
-    max_queue: int | None = None
-    max_request_bytes: int = 32 << 20
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            device=self.device,
-            cache=CacheConfig(kv_cache_memory=self.kv_cache_memory),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-            ),
-        )
+# Everything `convoy serve` configures: `.engine` (an EngineConfig) plus the server's own fields.
+# Defined (defaults, CLI help) in config.py; the CLI builds it, tests and benchmarks may too.
+ServerSettings = ServerConfig
 
 
 def _lifespan(settings: ServerSettings, engine: AsyncEngine | None, metrics: ServerMetrics) -> Any:
@@ -89,9 +63,9 @@ def _lifespan(settings: ServerSettings, engine: AsyncEngine | None, metrics: Ser
         if engine is None:
             from convoy.engine.async_engine import AsyncEngine
 
-            logger.info("loading model %s", settings.model or "(default)")
+            logger.info("loading model %s", settings.engine.model or "(default)")
             # Loading is slow and synchronous; a thread keeps the loop responsive meanwhile.
-            engine = await asyncio.to_thread(AsyncEngine, settings.engine_config())
+            engine = await asyncio.to_thread(AsyncEngine, settings.engine)
         await engine.start()
         name = settings.served_model_name or engine.model_name
         limits = ServingLimits(settings.max_prompts_per_request, settings.max_queue)
@@ -135,11 +109,14 @@ def _record(request: Request) -> RequestRecord:
     return record
 
 
-async def _until_disconnect(request: Request, work: Awaitable[Response | BaseModel]) -> Response:
+async def _until_disconnect(
+    request: Request, work: Awaitable[BaseModel | AsyncGenerator[BaseModel, None]]
+) -> Response:
     """Run `work`, cancelling it if the client goes away first (which aborts its engine requests).
 
+    Serving returns a response model (sent as JSON) or a chunk iterator (sent as SSE).
     NOTE: the body has been read by now, so the next `receive()` only returns on disconnect.
-    A streaming route returns its response at once, so this only guards non-streaming work.
+    A streaming route returns its iterator at once, so this only guards non-streaming work.
     """
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
@@ -149,7 +126,7 @@ async def _until_disconnect(request: Request, work: Awaitable[Response | BaseMod
         result = task.result()
         if isinstance(result, BaseModel):  # skip FastAPI's slow jsonable_encoder pass
             return Response(result.model_dump_json(), media_type="application/json")
-        return result
+        return sse_response(result, _record(request).api_id or "")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     return Response(status_code=499)  # nobody reads it; the status marks the log line

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
 
-from fastapi.responses import StreamingResponse
-
-from convoy.api.engine_client import EngineClient, Prompt, new_id
-from convoy.api.logprobs import TokenNames, chat_logprobs
-from convoy.api.metrics import RequestRecord
+from convoy.api.engine_client import EngineClient, Prompt
+from convoy.api.logprobs import chat_logprobs
 from convoy.api.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -22,22 +17,11 @@ from convoy.api.protocol import (
     ChatMessageParam,
     ChatStreamChoice,
     DeltaMessage,
-    UsageInfo,
 )
-from convoy.api.sse import sse_response
+from convoy.api.serving_base import Job, Outputs, ServingBase, finish_reason, is_empty_delta
 from convoy.outputs import CompletionOutput, RequestOutput
 
-Outputs = AsyncGenerator[tuple[int, RequestOutput], None]  # (prompt index, output)
-
-
-@dataclass(slots=True)
-class _Job:
-    api_id: str
-    created: int
-    request: ChatCompletionRequest
-    n: int
-    record: RequestRecord
-    names: TokenNames
+_Job = Job[ChatCompletionRequest]
 
 
 def render_chat(
@@ -53,36 +37,14 @@ def render_chat(
     return Prompt(text, tokenizer.encode(text, add_special_tokens=False))
 
 
-class ChatServing:
-    def __init__(self, client: EngineClient) -> None:
-        self.client = client
+class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk]):
+    id_prefix = "chatcmpl"
+    prompt_param = "messages"
+    chunk_type = ChatCompletionChunk
 
-    async def create(
-        self, request: ChatCompletionRequest, record: RequestRecord
-    ) -> ChatCompletionResponse | StreamingResponse:
-        """Validate everything, render the conversation, then run it in the engine."""
-        self.client.check_model(request.model)
-        request.check()
-        params = request.to_sampling_params()
-        prompt = render_chat(
-            self.client, request.messages, request.add_generation_prompt is not False
-        )
-        self.client.validate([prompt], params, "messages")
-        self.client.check_capacity()
-        job = _Job(
-            api_id=new_id("chatcmpl"),
-            created=int(time.time()),
-            request=request,
-            n=params.n,
-            record=record,
-            names=TokenNames(self.client.tokenizer),
-        )
-        record.api_id, record.num_prompts = job.api_id, 1
-        record.num_prompt_tokens = len(prompt.token_ids)
-        outputs = self.client.generate(job.api_id, [prompt], params, record)
-        if request.stream:
-            return sse_response(self._stream(job, outputs), job.api_id)
-        return await self._collect(job, outputs)
+    def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
+        add_generation_prompt = request.add_generation_prompt is not False
+        return [render_chat(self.client, request.messages, add_generation_prompt)]
 
     def _logprobs(self, job: _Job, c: CompletionOutput) -> ChatChoiceLogprobs | None:
         if not job.request.logprobs:
@@ -91,7 +53,7 @@ class ChatServing:
         num_top = job.request.top_logprobs or 0
         return ChatChoiceLogprobs(content=chat_logprobs(job.names, c.token_ids, positions, num_top))
 
-    async def _collect(self, job: _Job, outputs: Outputs) -> ChatCompletionResponse:
+    async def collect(self, job: _Job, outputs: Outputs) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         async with aclosing(outputs):
             async for _, out in outputs:
@@ -102,57 +64,39 @@ class ChatServing:
                 index=c.index,
                 message=ChatMessage(content=c.text),
                 logprobs=self._logprobs(job, c),
-                finish_reason=_finish(c),
+                finish_reason=finish_reason(c),
             )
             for c in sorted(final.outputs, key=lambda c: c.index)
         ]
-        num_completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        job.record.num_completion_tokens = num_completion_tokens
         return ChatCompletionResponse(
             id=job.api_id,
             created=job.created,
             model=self.client.served_model_name,
             choices=choices,
-            usage=UsageInfo.of(job.record.num_prompt_tokens, num_completion_tokens),
+            usage=self.usage(job, final.num_generated_tokens),
         )
 
-    async def _stream(
+    async def stream(
         self, job: _Job, outputs: Outputs
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
         """A role delta per choice first, then content deltas, each choice's finish, usage."""
         for j in range(job.n):
             delta = DeltaMessage(role="assistant", content="")
-            yield self._chunk(job, [ChatStreamChoice(index=j, delta=delta)])
+            yield self.chunk(job, [ChatStreamChoice(index=j, delta=delta)])
         num_completion_tokens = 0
         async with aclosing(outputs):
             async for _, out in outputs:
                 for c in out.outputs:
                     num_completion_tokens += len(c.token_ids)
-                    if not c.text and not c.token_ids and c.finish_reason is None:
+                    if is_empty_delta(c):
                         continue
                     choice = ChatStreamChoice(
                         index=c.index,
                         delta=DeltaMessage(content=c.text),
                         logprobs=self._logprobs(job, c),
-                        finish_reason=_finish(c),
+                        finish_reason=finish_reason(c),
                     )
-                    yield self._chunk(job, [choice])
+                    yield self.chunk(job, [choice])
                 job.record.num_completion_tokens = num_completion_tokens
-        if job.request.include_usage:
-            usage = UsageInfo.of(job.record.num_prompt_tokens, num_completion_tokens)
-            yield self._chunk(job, [], usage)
-
-    def _chunk(
-        self, job: _Job, choices: list[ChatStreamChoice], usage: UsageInfo | None = None
-    ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=job.api_id,
-            created=job.created,
-            model=self.client.served_model_name,
-            choices=choices,
-            usage=usage,
-        )
-
-
-def _finish(c: CompletionOutput) -> str | None:
-    return None if c.finish_reason is None else str(c.finish_reason)
+        if (last := self.usage_chunk(job, num_completion_tokens)) is not None:
+            yield last

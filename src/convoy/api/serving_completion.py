@@ -1,23 +1,19 @@
 """POST /v1/completions: prompt forms -> engine requests -> one response or one SSE stream.
 
 Choice order is OpenAI's and vLLM's: `index = prompt_idx * n + j`. Usage counts each prompt's
-tokens once and sums the completion tokens of every returned choice.
+tokens once and every generated token (best_of candidates that are not returned too).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import cast
 
-from fastapi.responses import StreamingResponse
-
-from convoy.api.engine_client import EngineClient, Prompt, new_id
+from convoy.api.engine_client import Prompt
 from convoy.api.errors import APIError
-from convoy.api.logprobs import TokenNames, legacy_logprobs, token_texts
-from convoy.api.metrics import RequestRecord
+from convoy.api.logprobs import legacy_logprobs, token_texts
 from convoy.api.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -25,29 +21,15 @@ from convoy.api.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     PromptInput,
-    UsageInfo,
 )
-from convoy.api.sse import sse_response
+from convoy.api.serving_base import (
+    Job,
+    Outputs,
+    ServingBase,
+    finish_reason,
+    is_empty_delta,
+)
 from convoy.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-
-Outputs = AsyncGenerator[tuple[int, RequestOutput], None]  # (prompt index, output)
-
-
-@dataclass(slots=True)
-class _Job:
-    """One validated completion request, ready to run."""
-
-    api_id: str
-    created: int
-    request: CompletionRequest
-    prompts: list[Prompt]
-    n: int
-    record: RequestRecord
-    names: TokenNames
-
-    @property
-    def echo(self) -> bool:
-        return bool(self.request.echo)
 
 
 @dataclass(slots=True)
@@ -59,38 +41,19 @@ class _ChoiceState:
     started: bool = False
 
 
-class CompletionServing:
-    def __init__(self, client: EngineClient) -> None:
-        self.client = client
+_Job = Job[CompletionRequest]
 
-    async def create(
-        self, request: CompletionRequest, record: RequestRecord
-    ) -> CompletionResponse | StreamingResponse:
-        """Validate everything, then run every prompt in the engine at once."""
-        self.client.check_model(request.model)
-        request.check()
-        params = request.to_sampling_params()
-        prompts = self._prompts(request.prompt)
-        self.client.validate(prompts, params, "prompt")
-        self.client.check_capacity()
-        job = _Job(
-            api_id=new_id("cmpl"),
-            created=int(time.time()),
-            request=request,
-            prompts=prompts,
-            n=params.n,
-            record=record,
-            names=TokenNames(self.client.tokenizer),
-        )
-        record.api_id, record.num_prompts = job.api_id, len(prompts)
-        record.num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        outputs = self.client.generate(job.api_id, prompts, params, record)
-        if request.stream:
-            return sse_response(self._stream(job, outputs), job.api_id)
-        return await self._collect(job, outputs)
 
-    def _prompts(self, prompt: PromptInput) -> list[Prompt]:
+class CompletionServing(
+    ServingBase[CompletionRequest, CompletionResponse, CompletionStreamResponse]
+):
+    id_prefix = "cmpl"
+    prompt_param = "prompt"
+    chunk_type = CompletionStreamResponse
+
+    def prompts(self, request: CompletionRequest) -> list[Prompt]:
         """Normalise the four prompt forms to token ids (text is tokenized with special tokens)."""
+        prompt: PromptInput = request.prompt
         tokenizer = self.client.tokenizer
         items: list[str | list[int]]
         if isinstance(prompt, str):
@@ -117,7 +80,7 @@ class CompletionServing:
             prompt.text = self.client.tokenizer.decode(prompt.token_ids)
         return prompt.text
 
-    async def _collect(self, job: _Job, outputs: Outputs) -> CompletionResponse:
+    async def collect(self, job: _Job, outputs: Outputs) -> CompletionResponse:
         finals: dict[int, RequestOutput] = {}
         async with aclosing(outputs):
             async for i, out in outputs:
@@ -127,23 +90,22 @@ class CompletionServing:
             out = finals[i]
             for c in sorted(out.outputs, key=lambda c: c.index):
                 choices.append(self._choice(job, i, prompt, out, c))
-        num_completion_tokens = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-        job.record.num_completion_tokens = num_completion_tokens
+        num_completion_tokens = sum(o.num_generated_tokens for o in finals.values())
         return CompletionResponse(
             id=job.api_id,
             created=job.created,
             model=self.client.served_model_name,
             choices=choices,
-            usage=UsageInfo.of(job.record.num_prompt_tokens, num_completion_tokens),
+            usage=self.usage(job, num_completion_tokens),
         )
 
     def _choice(
         self, job: _Job, i: int, prompt: Prompt, out: RequestOutput, c: CompletionOutput
     ) -> CompletionChoice:
-        prefix = self._echo_text(prompt) if job.echo else ""
+        prefix = self._echo_text(prompt) if job.request.echo else ""
         logprobs = None
         if job.request.logprobs is not None:
-            logprobs = self._prompt_logprobs(job, prompt, out) if job.echo else None
+            logprobs = self._prompt_logprobs(job, prompt, out) if job.request.echo else None
             generated = self._generated_logprobs(job, prompt.token_ids, c, len(prefix))
             if logprobs is None:
                 logprobs = generated
@@ -153,7 +115,7 @@ class CompletionServing:
             text=prefix + c.text,
             index=i * job.n + c.index,
             logprobs=logprobs,
-            finish_reason=_finish(c),
+            finish_reason=finish_reason(c),
         )
 
     def _prompt_logprobs(self, job: _Job, prompt: Prompt, out: RequestOutput) -> CompletionLogProbs:
@@ -175,7 +137,7 @@ class CompletionServing:
             positions = list(c.logprobs)
         return legacy_logprobs(job.names, texts, c.token_ids, positions, start_offset)
 
-    async def _stream(
+    async def stream(
         self, job: _Job, outputs: Outputs
     ) -> AsyncGenerator[CompletionStreamResponse, None]:
         """One chunk per choice delta, interleaved across prompts; then the usage chunk."""
@@ -191,18 +153,17 @@ class CompletionServing:
                     state = states.setdefault(i * job.n + c.index, _ChoiceState())
                     choice = self._delta(job, i, prompt_logprobs.get(i, out), c, state)
                     if choice is not None:
-                        yield self._chunk(job, [choice])
+                        yield self.chunk(job, [choice])
                 job.record.num_completion_tokens = num_completion_tokens
-        if job.request.include_usage:
-            usage = UsageInfo.of(job.record.num_prompt_tokens, num_completion_tokens)
-            yield self._chunk(job, [], usage)
+        if (last := self.usage_chunk(job, num_completion_tokens)) is not None:
+            yield last
 
     def _delta(
         self, job: _Job, i: int, out: RequestOutput, c: CompletionOutput, state: _ChoiceState
     ) -> CompletionChoice | None:
         prompt = job.prompts[i]
         text, logprobs = "", None
-        if not state.started and job.echo:
+        if not state.started and job.request.echo:
             text = self._echo_text(prompt)
             if job.request.logprobs is not None:
                 logprobs = self._prompt_logprobs(job, prompt, out)
@@ -214,28 +175,13 @@ class CompletionServing:
         text += c.text
         state.token_ids.extend(c.token_ids)
         state.text_len += len(text)
-        if not text and not c.token_ids and c.finish_reason is None:
-            return None  # nothing new for this choice in this step
+        if not text and is_empty_delta(c):
+            return None
         return CompletionChoice(
-            text=text, index=i * job.n + c.index, logprobs=logprobs, finish_reason=_finish(c)
-        )
-
-    def _chunk(
-        self, job: _Job, choices: list[CompletionChoice], usage: UsageInfo | None = None
-    ) -> CompletionStreamResponse:
-        return CompletionStreamResponse(
-            id=job.api_id,
-            created=job.created,
-            model=self.client.served_model_name,
-            choices=choices,
-            usage=usage,
+            text=text, index=i * job.n + c.index, logprobs=logprobs, finish_reason=finish_reason(c)
         )
 
 
 def _joined(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
     first.extend(second)
     return first
-
-
-def _finish(c: CompletionOutput) -> str | None:
-    return None if c.finish_reason is None else str(c.finish_reason)

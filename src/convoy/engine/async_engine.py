@@ -1,56 +1,45 @@
 """AsyncEngine: one background step loop shared by every request; asyncio front end for the server.
 
-    server coroutine --generate()--> input queue --> [step thread: EngineCore.step() in a loop]
+    server coroutine --generate()--> input queue --> [step thread: EngineFrontend.step() in a loop]
           ^                                                        |
           +------------- per-request asyncio.Queue <--- outputs ---+
 
 The step loop runs in a thread (torch releases the GIL while it computes), so the event loop keeps
-serving HTTP. `n > 1` is expanded here: child sequences `{req_id}#{j}` share one output queue and
-come back as one RequestOutput whose CompletionOutputs carry their choice index.
+serving HTTP. Every call into the frontend and the core happens on that thread: `generate` and
+`abort` only hand work over under a lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from convoy.config import EngineConfig
 from convoy.engine.core import EngineCore
-from convoy.engine.fanout import FanOut
+from convoy.engine.frontend import EngineFrontend
+from convoy.engine.request import EngineRequest
+from convoy.engine.stats import EngineStats
 from convoy.outputs import RequestOutput
-from convoy.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int  # sequences
-    num_waiting: int
-    num_kv_blocks_used: int
-    num_kv_blocks_total: int
-    num_prompt_tokens: int  # totals since start
-    num_generation_tokens: int
-    num_preemptions: int
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         """Load the model and tokenizer (slow); the step thread starts with `start()`."""
         self.core = EngineCore(config)
+        self.frontend = EngineFrontend(self.core)
         self.tokenizer = self.core.tokenizer
         self.model_name = self.core.model_name
         self.max_model_len = self.core.max_model_len
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._pending: list[tuple[str, FanOut]] = []
+        self._pending: list[tuple[EngineRequest, asyncio.Queue[RequestOutput | BaseException]]] = []
         self._aborts: list[str] = []
-        self._fanouts: dict[str, FanOut] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -68,34 +57,18 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise SamplingParamsError (with the offending `param`) before any work is queued."""
-        self.core.validate(prompt_token_ids, params)
-
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        prompt: str | None = None,
-        group_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs for one prompt until it finishes (per `params.output_kind`).
 
-        `group_id` ties together the prompts of one API request for fair scheduling. Closing the
-        iterator early (client gone, task cancelled) aborts every child sequence at once.
+        `request` comes from the front door, `self.frontend.inputs.process(...)`.
+        Closing the iterator early (client gone, task cancelled) aborts every sequence of it.
         """
-        self.validate(prompt_token_ids, params)
         assert self._loop is not None, "AsyncEngine.start() was not called"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        fanout = FanOut(
-            request_id, prompt, prompt_token_ids, params, group_id or request_id, time.monotonic(),
-            emit=lambda out: self._loop.call_soon_threadsafe(queue.put_nowait, out),  # type: ignore[union-attr]
-        )  # fmt: skip
         with self._wakeup:
             if self._stopping:
                 raise RuntimeError("engine is shutting down")
-            self._pending.append((request_id, fanout))
+            self._pending.append((request, queue))
             self._wakeup.notify()
         finished = False
         try:
@@ -107,7 +80,7 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                await self.abort(request_id)
+                await self.abort(request.request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request: its sequences leave the batch and free their KV blocks at the next step."""
@@ -123,6 +96,13 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    def _put(
+        self, queue: asyncio.Queue[RequestOutput | BaseException], item: RequestOutput
+    ) -> None:
+        """Hand an output (or, on a failed step, an exception) to its coroutine's queue."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(queue.put_nowait, item)
+
     def _run(self) -> None:
         while True:
             with self._wakeup:
@@ -131,27 +111,19 @@ class AsyncEngine:
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
                 stopping = self._stopping
-            for req_id, fanout in pending:
-                self._fanouts[req_id] = fanout
-                self.core.add_fanout(fanout)
-            for req_id in aborts:
-                aborted = self._fanouts.pop(req_id, None)
-                if aborted is not None:
-                    self.core.abort_fanout(aborted)
+            for request, queue in pending:
+                self.frontend.add(request, functools.partial(self._put, queue))
+            for request_id in aborts:
+                self.frontend.abort(request_id)
             if stopping:
-                for fanout in list(self._fanouts.values()):
-                    self.core.abort_fanout(fanout)
-                self._fanouts.clear()
+                self.frontend.abort_all()
                 return
             try:
-                finished = self.core.step()
+                self.frontend.step()
             except Exception as e:  # noqa: BLE001 - hand the error to every waiting request
                 logger.exception("engine step failed")
-                for fanout in list(self._fanouts.values()):
-                    with contextlib.suppress(Exception):
-                        self.core.abort_fanout(fanout, emit=False)
-                    fanout.emit(e)  # type: ignore[arg-type]
-                self._fanouts.clear()
-                continue
-            for req_id in finished:
-                self._fanouts.pop(req_id, None)
+                parents = list(self.frontend.parents.values())
+                with contextlib.suppress(Exception):
+                    self.frontend.abort_all(emit=False)
+                for parent in parents:
+                    parent.emit(e)  # type: ignore[arg-type]

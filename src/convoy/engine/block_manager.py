@@ -56,10 +56,6 @@ class BlockManager:
         self._num_registered: dict[str, int] = {}  # req_id -> prompt blocks registered so far
 
     @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 

@@ -1,4 +1,4 @@
-"""The one loop over a step's sampled tokens: append, detokenize, check stop conditions.
+"""The one loop over a step's sampled tokens on the text side: detokenize, stop strings, deltas.
 
 Text is decoded incrementally against a few tokens of context, and a delta is released only when
 it does not end in a broken UTF-8 sequence (U+FFFD). Stop strings are searched in the text and
@@ -71,10 +71,14 @@ class SeqDelta:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+    """Text side of a step: detokenize new tokens, find stop strings, cut deltas.
+
+    Token-level stops (EOS, stop token ids, lengths) are the scheduler's; a stop string found here
+    sets the sequence's finish reason and the engine then frees it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
         self.states: dict[str, SeqState] = {}
 
     def add(self, req: Request) -> None:
@@ -83,17 +87,23 @@ class OutputProcessor:
         hold = max((len(s) for s in p.stop), default=1) - 1
         self.states[req.req_id] = SeqState(detok, hold)
 
-    def remove(self, req: Request) -> None:
-        self.states.pop(req.req_id, None)
-
-    def append_token(self, req: Request, token_id: int) -> None:
-        """Append a sampled token, then finish the sequence if a stop condition holds."""
-        req.token_ids.append(token_id)
-        state = self.states[req.req_id]
-        state.detok.add(token_id)
-        reason, stop = self._check_stop(req, token_id, state)
-        if reason is not None:
-            req.finish_reason, req.stop_reason = reason, stop
+    def process(self, reqs: list[Request]) -> list[SeqDelta]:
+        """Each sequence here sampled one token this step (none when only scoring)."""
+        for req in reqs:
+            if req.params.max_tokens == 0:
+                continue
+            state = self.states[req.req_id]
+            state.detok.add(req.token_ids[-1])
+            p = req.params
+            if (
+                p.stop
+                and req.finish_reason != FinishReason.STOP
+                and req.num_output_tokens >= p.min_tokens
+            ):
+                hit = self._find_stop(state, p.stop, p.include_stop_str_in_output)
+                if hit is not None:  # a stop string wins over a length limit in this token
+                    req.finish_reason, req.stop_reason = FinishReason.STOP, hit
+        return [self.delta(req) for req in reqs]
 
     def delta(self, req: Request) -> SeqDelta:
         """What the sequence has not reported yet (all of it, once finished)."""
@@ -114,30 +124,9 @@ class OutputProcessor:
         )
         state.num_emitted_chars, state.num_emitted_tokens = end, len(out_ids)
         state.num_emitted_logprobs = len(req.logprobs)
+        if finished:
+            del self.states[req.req_id]
         return delta
-
-    def text(self, req: Request) -> str:
-        return self.states[req.req_id].detok.text
-
-    def _check_stop(
-        self, req: Request, token_id: int, state: SeqState
-    ) -> tuple[FinishReason | None, int | str | None]:
-        p = req.params
-        num_out = req.num_output_tokens
-        if num_out >= p.min_tokens:
-            if not p.ignore_eos and token_id in self.eos_token_ids:
-                return FinishReason.STOP, None
-            if token_id in p.stop_token_ids:
-                return FinishReason.STOP, token_id
-            if p.stop:
-                hit = self._find_stop(state, p.stop, p.include_stop_str_in_output)
-                if hit is not None:
-                    return FinishReason.STOP, hit
-        if p.max_tokens is not None and num_out >= p.max_tokens:
-            return FinishReason.LENGTH, None
-        if req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, None
-        return None, None
 
     @staticmethod
     def _find_stop(state: SeqState, stops: list[str], include: bool) -> str | None:

@@ -1,4 +1,5 @@
-"""One sequence in the engine: its tokens, how many are in the KV cache, its blocks and status."""
+"""One sequence in the engine (its tokens, how many are in the KV cache, its blocks and status),
+and the validated prompt it comes from."""
 
 from __future__ import annotations
 
@@ -7,6 +8,18 @@ from dataclasses import dataclass, field
 
 from convoy.outputs import FinishReason, PositionLogprobs
 from convoy.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class EngineRequest:
+    """One prompt that passed the front door's checks (`InputProcessor.process`), ready to run."""
+
+    request_id: str
+    prompt: str | None  # the text, when the prompt was given as text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    group_id: str  # the API request it belongs to (fair scheduling); its own id when alone
+    arrival: float
 
 
 class RequestStatus(enum.Enum):
@@ -22,7 +35,10 @@ class Request:
     params: SamplingParams
     group_id: str  # the API request this sequence belongs to (fair scheduling)
     arrival: float
+    parent_id: str = ""  # the prompt this sequence samples for (n / best_of children share it)
+    index: int = 0  # which of the prompt's params.num_seqs sequences this is
     seed: int | None = None  # per-sequence sampling seed (a child of a seeded request gets its own)
+    eos_token_ids: frozenset[int] = frozenset()  # end the sequence unless params.ignore_eos
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     # NOTE: invariant num_computed_tokens <= len(token_ids); the scheduler closes the gap each step.
     num_computed_tokens: int = 0
@@ -57,10 +73,6 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
 
     @property
     def wants_prompt_logprobs(self) -> bool:

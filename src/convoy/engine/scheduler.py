@@ -8,41 +8,48 @@ later). Waiting sequences are admitted group by group (a group is one API reques
 the fewest running sequences first, so a small request is not stuck behind a 1,000-prompt one;
 when the sequence cap is reached, a group holding at least two more sequences than the newcomer's
 gives one up.
+
+The contract is vLLM v1's: add_request, schedule() -> SchedulerOutput, update_from_output
+(sched_out, runner_out) after the worker ran it, finish_requests(ids, reason) (stop strings, aborts).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from convoy.config import SchedulerConfig
 from convoy.engine.block_manager import BlockManager, hash_prompt_blocks
 from convoy.engine.request import Request, RequestStatus
+from convoy.outputs import FinishReason
+from convoy.worker.batch import ModelRunnerOutput, PromptScoring, SamplerRow, ScheduledSeq
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (sequence, new tokens)
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    seqs: list[ScheduledSeq] = field(default_factory=list)  # what the worker runs, in order
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.bm = block_manager
+        self.requests: dict[str, Request] = {}  # every sequence not yet finished
         self.waiting: dict[str, deque[Request]] = {}  # group -> its waiting sequences, FIFO
         self.running: list[Request] = []  # admission order
         self.num_running_by_group: dict[str, int] = {}
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # totals since start (one prompt counted once, not per child)
+        self.num_generation_tokens = 0
+        self.num_computed_tokens = 0  # tokens run through the model (prompts, chunks, decodes)
 
     @property
     def num_waiting(self) -> int:
@@ -53,17 +60,88 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         req.block_hashes = self._hashes(req)
+        self.requests[req.req_id] = req
         self.waiting.setdefault(req.group_id, deque()).append(req)
+        if req.index == 0:
+            self.num_prompt_tokens += req.num_prompt_tokens
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        out.seqs = [_scheduled_seq(req, num_new) for req, num_new in out.scheduled]
         return out
 
-    def finish(self, req: Request) -> None:
+    def update_from_output(
+        self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[Request]:
+        """Fold a step's results in; returns the sequences that sampled (or finished scoring)."""
+        now = time.monotonic()
+        updated: list[Request] = []
+        for req, num_new in sched.scheduled:
+            scored = runner_out.prompt_logprobs.get(req.req_id)
+            if scored is not None:
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs.append(None)  # nothing predicts the first prompt token
+                req.prompt_logprobs.extend(scored)
+            req.num_computed_tokens += num_new
+            self.num_computed_tokens += num_new
+            self.bm.cache_computed(req)
+            token_id = runner_out.sampled_token_ids.get(req.req_id)
+            if token_id is None:
+                continue  # a prefill chunk that does not reach the end of the prompt
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.params.max_tokens == 0:  # scoring only: the prompt is computed, nothing sampled
+                req.finish_reason = FinishReason.LENGTH
+            else:
+                self._append_token(req, token_id, runner_out)
+            if req.finish_reason is not None:
+                self._free(req)
+            updated.append(req)
+        return updated
+
+    def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> list[Request]:
+        """End sequences (a stop string, an abort): leave the queues, free their blocks.
+
+        A sequence that already has a finish reason keeps it. Returns the sequences that were
+        still in the scheduler.
+        """
+        finished = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.finish_reason is None:
+                req.finish_reason = reason
+            self._free(req)
+            finished.append(req)
+        return finished
+
+    def _append_token(self, req: Request, token_id: int, runner_out: ModelRunnerOutput) -> None:
+        req.token_ids.append(token_id)
+        self.num_generation_tokens += 1
+        if (lp := runner_out.sampled_logprobs.get(req.req_id)) is not None:
+            req.cumulative_logprob += lp
+        if (entry := runner_out.logprobs.get(req.req_id)) is not None:
+            req.logprobs.append(entry)
+        p = req.params
+        num_out = req.num_output_tokens
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and token_id in req.eos_token_ids:
+                req.finish_reason = FinishReason.STOP
+            elif token_id in p.stop_token_ids:
+                req.finish_reason, req.stop_reason = FinishReason.STOP, token_id
+        if req.finish_reason is None and (
+            (p.max_tokens is not None and num_out >= p.max_tokens)
+            or req.num_tokens >= self.max_model_len
+        ):
+            req.finish_reason = FinishReason.LENGTH
+
+    def _free(self, req: Request) -> None:
         """Remove a sequence (finished or aborted) from the queues and free its blocks."""
+        self.requests.pop(req.req_id, None)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
             self._count(req.group_id, -1)
@@ -169,3 +247,29 @@ class Scheduler:
         if not self.bm.enable_prefix_caching:
             return []
         return hash_prompt_blocks(req.prompt_token_ids, self.bm.block_size)
+
+
+def _scheduled_seq(req: Request, num_new: int) -> ScheduledSeq:
+    """The worker's view of one scheduled sequence."""
+    start = req.num_computed_tokens
+    seq = ScheduledSeq(req.req_id, req.token_ids[start : start + num_new], start, req.block_table)
+    seq.scoring = _scoring(req, start, num_new)
+    if start + num_new == req.num_tokens:
+        p = req.params
+        stop_ids = [] if p.ignore_eos else sorted(req.eos_token_ids)
+        seq.sampling = SamplerRow(
+            p, req.seed, req.prompt_token_ids, req.output_token_ids, stop_ids + p.stop_token_ids,
+            need_logprob=p.num_seqs > p.n,
+        )  # fmt: skip
+    return seq
+
+
+def _scoring(req: Request, start: int, num_new: int) -> PromptScoring | None:
+    """Prompt logprobs this chunk must produce (position i predicts token i + 1); after a
+    preemption, positions already scored are not scored again."""
+    k = req.params.prompt_logprobs
+    first = max(start + 1, len(req.prompt_logprobs) or 1)
+    end = min(start + num_new + 1, req.num_prompt_tokens)
+    if k is None or first >= end:
+        return None
+    return PromptScoring(first, req.token_ids[first:end], k)

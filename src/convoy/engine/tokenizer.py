@@ -5,21 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# Gemma's turn format, for Gemma models whose files carry no template (the base models).
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- if messages[0]['role'] == 'system' -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
-    "{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
-    "{%- for message in loop_messages -%}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
-    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
-)
-
 
 class TemplateError(ValueError):
     """The model has no chat template, or the template rejects the messages."""
@@ -28,14 +13,12 @@ class TemplateError(ValueError):
 class Tokenizer:
     """Thin wrapper over a Hugging Face fast tokenizer: encode, decode, special ids, chat."""
 
-    def __init__(self, model_dir: Path, model_type: str = "") -> None:
+    def __init__(self, model_dir: Path, default_chat_template: str | None = None) -> None:
+        """`default_chat_template`: the model family's, for files that carry none (base models)."""
         from transformers import AutoTokenizer
 
         self._tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
-        self.chat_template: str | None = self._tok.chat_template
-        if self.chat_template is None and model_type.startswith("gemma"):
-            self.chat_template = GEMMA_TEMPLATE
-        self.vocab_size: int = len(self._tok)
+        self.chat_template: str | None = self._tok.chat_template or default_chat_template
         self.bos_token_id: int | None = self._tok.bos_token_id
         self.eos_token_id: int | None = self._tok.eos_token_id
 
@@ -50,9 +33,6 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         tokens: list[str] = self._tok.convert_ids_to_tokens(token_ids)
         return tokens
-
-    def special_ids(self) -> set[int]:
-        return set(self._tok.all_special_ids)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

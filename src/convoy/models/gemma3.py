@@ -6,53 +6,50 @@ Same serving convention as llama.py: flat tokens in, `compute_logits` on the sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
 from convoy.config import ModelConfig
-from convoy.models.layers import RMSNorm, RotaryEmbedding
-from convoy.models.llama import LlamaMLP
-from convoy.worker.attention import AttentionMetadata, paged_attention
+from convoy.models.attention import AttentionMetadata
+from convoy.models.layers import CausalLM, RMSNorm, RotaryEmbedding
+from convoy.models.llama import LlamaAttention, LlamaMLP
+
+# Gemma 3 in llama.cpp: rope base of the sliding layers and the sliding/global layer pattern.
+GGUF_LOCAL_ROPE_BASE = 10000.0
+GGUF_LAYER_PATTERN = 6
+
+# Gemma's turn format, for Gemma files that carry no chat template (the base models).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
 
 
 def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
     return RMSNorm(dim, cfg.rms_norm_eps, offset=1.0)
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ropes: dict[str, RotaryEmbedding]) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = _norm(cfg, cfg.head_dim)
-        self.k_norm = _norm(cfg, cfg.head_dim)
-        self.window = cfg.layer_window(layer_idx)
-        is_local = self.window is not None and cfg.rope_local_theta is not None
-        self.rotary = ropes["local" if is_local else "global"]  # shared by the layers of a kind
-        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+class Gemma3Attention(LlamaAttention):
+    """Llama's attention with (1 + w) q/k norms, a rope per layer kind and its own scale."""
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))  # (T, H, D)
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))  # (T, Hkv, D)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
-        return self.o_proj(o.reshape(t, self.q_size))
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ropes: dict[str, RotaryEmbedding]) -> None:
+        window = cfg.layer_window(layer_idx)
+        is_local = window is not None and cfg.rope_local_theta is not None
+        super().__init__(cfg, layer_idx, ropes["local" if is_local else "global"])
+        self.q_norm, self.k_norm = _norm(cfg, cfg.head_dim), _norm(cfg, cfg.head_dim)
+        self.attn.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -89,34 +86,38 @@ class Gemma3Model(nn.Module):
         self.norm = _norm(cfg, cfg.hidden_size)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    packed_modules = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+class Gemma3ForCausalLM(CausalLM):
+    default_chat_template = GEMMA_TEMPLATE
+    extra_stop_tokens = ("<end_of_turn>",)  # the turn end: instruction-tuned Gemmas stop there
+    gguf_architectures = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+    gguf_ffn_norm = "pre_feedforward_layernorm"
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.model = Gemma3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, Gemma3Model(cfg))
         self.embed_scale = cfg.hidden_size**0.5
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """(T,) token ids of all sequences, flat -> (T, hidden) final hidden states."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # scale rounded to the model dtype
-        for i in range(len(self.model.layers)):
-            x = self.model.layers[i](x, positions, attn_metadata)
-        return self.model.norm(x)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)  # scale rounded to the dtype
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) rows that sample -> (N, vocab) fp32 logits."""
-        return self.lm_head(hidden).float()
+    @classmethod
+    def gguf_config(cls, arch: str, cfg: dict[str, Any], get: Callable[..., Any]) -> None:
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+        cfg["sliding_window"] = int(get("attention.sliding_window", 512))
+        cfg["layer_types"] = [
+            "full_attention" if (i + 1) % GGUF_LAYER_PATTERN == 0 else "sliding_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
+        cfg["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": GGUF_LOCAL_ROPE_BASE},
+            "full_attention": {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")},
+        }
+
+    @classmethod
+    def gguf_tensor(
+        cls, arch: str, hf_name: str, w: torch.Tensor, cfg: dict[str, Any]
+    ) -> torch.Tensor:
+        if hf_name.endswith("norm.weight"):
+            return w - 1.0  # llama.cpp stores the (1 + w) norm scales with the one added
+        return w

@@ -9,6 +9,9 @@ turned back into Hugging Face's:
     blk.N.attn_q / _k / _v    model.layers.N.self_attn.q_proj / k_proj / v_proj  (llama: rows un-permuted)
     blk.N.ffn_norm            ...post_attention_layernorm (llama) | ...pre_feedforward_layernorm (gemma3)
     output_norm / output      model.norm / lm_head
+
+What differs by family (config keys, storage conventions of some tensors) is the family's own
+`gguf_*` hooks, in its model file.
 """
 
 from __future__ import annotations
@@ -23,18 +26,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-logger = logging.getLogger(__name__)
+from convoy.models.layers import CausalLM
+from convoy.models.registry import GGUF_FAMILIES, gguf_family
 
-# GGUF architecture -> (HF model_type, HF architecture)
-GGUF_ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-}
-# Gemma 3 in llama.cpp: rope base of the sliding layers and the sliding/global layer pattern.
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
-GEMMA3_PATTERN = 6
+logger = logging.getLogger(__name__)
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -77,16 +72,17 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     """Write the HF-format folder for the GGUF file at `path` into `out_dir` (atomically)."""
     reader = read_gguf(path)
     arch = field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    family = gguf_family(arch)
+    if family is None:
         raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
+            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(GGUF_FAMILIES)})"
         )
-    config = _config(reader, arch)
+    config = _config(reader, arch, family)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     logger.info("converting %s to %s (first load only)", path, out_dir)
-    tensors = _tensors(reader, arch, config)
+    tensors = _tensors(reader, arch, family, config)
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(path, reader, tmp)
@@ -94,11 +90,11 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     tmp.rename(out_dir)
 
 
-def _config(reader: Any, arch: str) -> dict[str, Any]:
+def _config(reader: Any, arch: str, family: type[CausalLM]) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
         return field(reader, f"{arch}.{key}", default)
 
-    model_type, hf_arch = GGUF_ARCHITECTURES[arch]
+    model_type, hf_arch = family.gguf_architectures[arch]
     hidden, num_heads = int(get("embedding_length")), int(get("attention.head_count"))
     num_layers = int(get("block_count"))
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -123,45 +119,28 @@ def _config(reader: Any, arch: str) -> dict[str, Any]:
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    if arch == "qwen2":
-        cfg["attention_bias"] = True
-    if arch == "gemma3":
-        cfg["hidden_activation"] = "gelu_pytorch_tanh"
-        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
-        cfg["sliding_window"] = int(get("attention.sliding_window", 512))
-        cfg["layer_types"] = [
-            "full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention"
-            for i in range(num_layers)
-        ]
-        cfg["rope_parameters"] = {
-            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
-            "full_attention": {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")},
-        }
+    family.gguf_config(arch, cfg, get)
     return cfg
 
 
-def _tensors(reader: Any, arch: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _tensors(
+    reader: Any, arch: str, family: type[CausalLM], cfg: dict[str, Any]
+) -> dict[str, torch.Tensor]:
     import gguf
 
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        hf_name = _hf_name(t.name, arch)
+        hf_name = _hf_name(t.name, family)
         if hf_name is None:
             raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        w = torch.from_numpy(data.copy())
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute(w, cfg["num_attention_heads"])
-        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute(w, cfg["num_key_value_heads"])
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scales with the one added
+        w = family.gguf_tensor(arch, hf_name, torch.from_numpy(data.copy()), cfg)
         out[hf_name] = w.contiguous()
     return out
 
 
-def _hf_name(name: str, arch: str) -> str | None:
+def _hf_name(name: str, family: type[CausalLM]) -> str | None:
     fixed = {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
@@ -173,17 +152,8 @@ def _hf_name(name: str, arch: str) -> str | None:
     if parts[0] != "blk" or len(parts) != 4:
         return None
     layer, piece, kind = parts[1], parts[2], parts[3]
-    if piece == "ffn_norm":
-        target = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
-    else:
-        target = _LAYER_NAMES.get(piece)  # type: ignore[assignment]
+    target = family.gguf_ffn_norm if piece == "ffn_norm" else _LAYER_NAMES.get(piece)
     return None if target is None else f"model.layers.{layer}.{target}.{kind}"
-
-
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (interleaved rope -> Hugging Face's rotate-half)."""
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _save_tokenizer(path: Path, reader: Any, out: Path) -> None:

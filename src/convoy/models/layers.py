@@ -1,13 +1,77 @@
-"""Small building blocks shared by the model files: RMSNorm, rotary embedding, activations."""
+"""Small building blocks shared by the model files: the family base, RMSNorm, rotary embedding,
+activations."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from convoy.config import ModelConfig
+from convoy.models.attention import AttentionMetadata
+
+
+class CausalLM(nn.Module):
+    """Base of a model family's top module, and the facts about the family the engine needs.
+
+    A family file subclasses it with its decoder (`model`: embed_tokens, layers, norm);
+    `forward(input_ids, positions, attn_metadata)` runs a step's flat tokens, `compute_logits`
+    projects only the rows that sample.
+    """
+
+    # HF checkpoint name piece -> (our fused module, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    default_chat_template: str | None = None  # for files of this family that carry none
+    extra_stop_tokens: tuple[str, ...] = ()  # single-token texts that end generation like EOS
+    # GGUF conversion (gguf_convert.py): llama.cpp architecture -> (HF model_type, HF class name)
+    gguf_architectures: dict[str, tuple[str, str]] = {}
+    gguf_ffn_norm = "post_attention_layernorm"  # where llama.cpp's blk.N.ffn_norm belongs
+
+    def __init__(self, cfg: ModelConfig, model: nn.Module) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = model
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = model.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """(T,) token ids of all sequences, flat -> (T, hidden) final hidden states."""
+        x = self.embed(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, attn_metadata)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) rows that sample -> (N, vocab) fp32 logits."""
+        return self.lm_head(hidden).float()
+
+    @classmethod
+    def gguf_config(cls, arch: str, cfg: dict[str, Any], get: Callable[..., Any]) -> None:
+        """Add the family's config.json keys, read from GGUF metadata by `get(key, default)`."""
+
+    @classmethod
+    def gguf_tensor(
+        cls, arch: str, hf_name: str, w: torch.Tensor, cfg: dict[str, Any]
+    ) -> torch.Tensor:
+        """Undo llama.cpp's storage conventions for one dequantized tensor."""
+        return w
 
 
 class RMSNorm(nn.Module):

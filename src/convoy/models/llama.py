@@ -7,12 +7,15 @@ Module names mirror Hugging Face's so checkpoints load by name; q/k/v and gate/u
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
 from convoy.config import ModelConfig
-from convoy.models.layers import RMSNorm, RotaryEmbedding, activation
-from convoy.worker.attention import AttentionMetadata, paged_attention
+from convoy.models.attention import Attention, AttentionMetadata
+from convoy.models.layers import CausalLM, RMSNorm, RotaryEmbedding, activation
 
 
 class LlamaAttention(nn.Module):
@@ -32,10 +35,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary  # shared by every layer
-        self.window = cfg.layer_window(layer_idx)
-        self.scale = cfg.head_dim**-0.5
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self.attn = Attention(layer_idx, cfg.head_dim**-0.5, cfg.layer_window(layer_idx))
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
+        o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -92,33 +92,33 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    # HF checkpoint name piece -> (our fused module, shard index)
-    packed_modules = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
+class LlamaForCausalLM(CausalLM):
+    gguf_architectures = {
+        "llama": ("llama", "LlamaForCausalLM"),
+        "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+        "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     }
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, LlamaModel(cfg))
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    @classmethod
+    def gguf_config(cls, arch: str, cfg: dict[str, Any], get: Callable[..., Any]) -> None:
+        if arch == "qwen2":
+            cfg["attention_bias"] = True
+
+    @classmethod
+    def gguf_tensor(
+        cls, arch: str, hf_name: str, w: torch.Tensor, cfg: dict[str, Any]
     ) -> torch.Tensor:
-        """(T,) token ids of all sequences, flat -> (T, hidden) final hidden states."""
-        x = self.model.embed_tokens(input_ids)
-        for i in range(len(self.model.layers)):
-            x = self.model.layers[i](x, positions, attn_metadata)
-        return self.model.norm(x)
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            return _unpermute(w, cfg["num_attention_heads"])
+        if arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            return _unpermute(w, cfg["num_key_value_heads"])
+        return w
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) rows that sample -> (N, vocab) fp32 logits."""
-        return self.lm_head(hidden).float()
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rope -> Hugging Face's rotate-half)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -23,6 +23,7 @@ from torch import nn
 
 from convoy.config import ConfigError, ModelConfig
 from convoy.models.gguf_convert import ModelLoadError, convert_gguf
+from convoy.models.layers import CausalLM
 from convoy.models.registry import ARCHITECTURES, model_class
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def _read_config(folder: Path) -> ModelConfig:
     return cfg
 
 
-def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Build the model for `resolved` and fill it with its weights in `dtype` on `device`."""
     cls = model_class(resolved.config.architecture)
     assert cls is not None

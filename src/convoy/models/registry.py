@@ -1,13 +1,14 @@
-"""Architecture name (config.json `architectures[0]`) -> model class."""
+"""Model families: architecture name (config.json `architectures[0]`) -> model class, and the
+llama.cpp architecture names each family converts from GGUF. A new family is one model file
+(a CausalLM subclass) plus its lines here."""
 
 from __future__ import annotations
 
-from torch import nn
-
 from convoy.models.gemma3 import Gemma3ForCausalLM
+from convoy.models.layers import CausalLM
 from convoy.models.llama import LlamaForCausalLM
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {
+ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -15,6 +16,16 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
+GGUF_FAMILIES: dict[str, type[CausalLM]] = {
+    arch: family
+    for family in dict.fromkeys(ARCHITECTURES.values())
+    for arch in family.gguf_architectures
+}
 
-def model_class(architecture: str) -> type[nn.Module] | None:
+
+def model_class(architecture: str) -> type[CausalLM] | None:
     return ARCHITECTURES.get(architecture)
+
+
+def gguf_family(gguf_architecture: str) -> type[CausalLM] | None:
+    return GGUF_FAMILIES.get(gguf_architecture)

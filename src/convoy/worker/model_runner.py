@@ -7,19 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from convoy.worker.attention import AttentionMetadata, PrefillSeq
+from convoy.models.attention import Attention, AttentionMetadata, PrefillSeq
+from convoy.worker.batch import ScheduledSeq
 from convoy.worker.kv_cache import KVCache
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """What the runner needs of one sequence in a step: plain data, no engine objects."""
-
-    token_ids: list[int]  # the new tokens to compute this step
-    start_pos: int  # tokens of this sequence already in the cache
-    block_table: list[int]
-    need_logits: bool  # does the last new token sample (False for a non-final prefill chunk)
-    prompt_logits_from: int | None = None  # also return logits from this new-token index on
 
 
 @dataclass(slots=True)
@@ -41,9 +31,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
-        layers = model.model.layers  # type: ignore[union-attr]
-        for i, layer in enumerate(layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache.layer(i)
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.bind_cache(*kv_cache.layer(module.layer_idx))
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> RunnerOutput:

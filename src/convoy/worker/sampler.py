@@ -12,19 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from convoy.outputs import PositionLogprobs
-from convoy.sampling_params import SamplingParams
+from convoy.worker.batch import SamplerRow
 
 _MASK64 = (1 << 63) - 1
-
-
-@dataclass(slots=True)
-class SamplerRow:
-    params: SamplingParams
-    seed: int | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    stop_ids: list[int]  # EOS and stop token ids: masked while below min_tokens
-    need_logprob: bool  # sampled-token logprob needed (logprobs asked, or best_of ranking)
 
 
 @dataclass(slots=True)

@@ -3,35 +3,20 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
+from convoy import kernels
 from convoy.config import EngineConfig
+from convoy.kernels.linear import linear_packing, pack_linears
+from convoy.models.layers import CausalLM
 from convoy.models.loader import load_model, resolve_model
-from convoy.outputs import PositionLogprobs
-from convoy.worker.cpu_kernels import cpu_kernels_available
-from convoy.worker.cpu_linear import linear_packing, pack_linears
+from convoy.worker.batch import ModelRunnerOutput, ScheduledSeq
 from convoy.worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
-from convoy.worker.model_runner import ModelRunner, ScheduledSeq
-from convoy.worker.sampler import SamplerRow, prompt_logprobs, sample
+from convoy.worker.model_runner import ModelRunner
+from convoy.worker.sampler import prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PromptScoring:
-    """Prompt logprobs wanted from one scheduled sequence this step."""
-
-    first: int  # position of the first prompt token to score
-    targets: list[int]  # the prompt tokens to score, from `first` on
-    k: int
-
-
-@dataclass(slots=True)
-class WorkerOutput:
-    sampled: list[tuple[int, float | None, PositionLogprobs | None]]  # per sampling row
-    prompt_logprobs: list[list[PositionLogprobs] | None]  # per scheduled sequence
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,12 +48,13 @@ class Worker:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(resolved, self.dtype, self.device)
+        self.model_family: type[CausalLM] = type(self.model)
         self.packed_linears = 0
         packing = linear_packing(self.device, self.dtype) if config.prepack_linears else None
         if packing is not None:
             self.packed_linears = pack_linears(self.model, packing)
         cache = config.cache
-        self.num_blocks = cache.num_blocks or num_blocks_for_budget(
+        self.num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
             resolved.config, cache.kv_cache_memory, cache.block_size, self.dtype
         )
         kv = allocate_kv_cache(
@@ -78,7 +64,7 @@ class Worker:
             config.cpu_kernels
             and self.device.type == "cpu"
             and self.dtype in (torch.float32, torch.bfloat16)
-            and cpu_kernels_available()
+            and kernels.available()
         )
         self.runner = ModelRunner(self.model, kv, self.device, self.native_decode)
         logger.info(
@@ -89,25 +75,23 @@ class Worker:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def execute(
-        self,
-        seqs: list[ScheduledSeq],
-        rows: list[SamplerRow],
-        scoring: list[PromptScoring | None],
-    ) -> WorkerOutput:
-        """Run one step; `rows` holds one entry per sequence with need_logits, in order."""
+    def execute(self, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
+        """Run one step: forward the new tokens, sample where a sequence samples, score prompts."""
+        result = ModelRunnerOutput()
+        if not seqs:
+            return result
         out = self.runner.execute(seqs)
-        sampled = sample(out.logits, rows)
-        result = [
-            (t, lp, pos)
-            for t, lp, pos in zip(
-                sampled.token_ids, sampled.sampled_logprobs, sampled.logprobs, strict=True
-            )
-        ]
-        scored: list[list[PositionLogprobs] | None] = []
-        for score, logits in zip(scoring, out.prompt_logits, strict=True):
-            if score is None or logits is None:
-                scored.append(None)
-            else:
-                scored.append(prompt_logprobs(logits[: len(score.targets)], score.targets, score.k))
-        return WorkerOutput(result, scored)
+        sampling = [s for s in seqs if s.sampling is not None]
+        sampled = sample(out.logits, [s.sampling for s in sampling if s.sampling is not None])
+        for i, s in enumerate(sampling):
+            result.sampled_token_ids[s.req_id] = sampled.token_ids[i]
+            if (lp := sampled.sampled_logprobs[i]) is not None:
+                result.sampled_logprobs[s.req_id] = lp
+            if (entry := sampled.logprobs[i]) is not None:
+                result.logprobs[s.req_id] = entry
+        for s, logits in zip(seqs, out.prompt_logits, strict=True):
+            if s.scoring is not None and logits is not None:
+                targets = s.scoring.targets
+                scored = prompt_logprobs(logits[: len(targets)], targets, s.scoring.k)
+                result.prompt_logprobs[s.req_id] = scored
+        return result

@@ -11,15 +11,17 @@ on CUDA cuBLAS is already the right kernel.
 Results differ from `F.linear` only by summation order (max |diff| ~1e-4 on unit-scale inputs).
 
 bf16 on CPUs without AVX512-BF16: torch emulates bf16 matmuls (~16 GFLOP/s on two cores at
-64x576x3072). `Bf16PackedLinear` runs csrc/bf16_linear.cpp instead: bf16 weights repacked into
-16-wide K-major panels, widened in registers, fp32 FMAs, output rounded to bf16; measured 5-8x
-faster than torch's bf16 and on par with oneDNN fp32 (106-136 GFLOP/s at M=16..64).
+64x576x3072). `Bf16PackedLinear` runs kernels/csrc/bf16_linear.cpp instead: bf16 weights
+repacked into 16-wide K-major panels, widened in registers, fp32 FMAs, output rounded to bf16;
+measured 5-8x faster than torch's bf16 and on par with oneDNN fp32 (106-136 GFLOP/s at M=16..64).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from convoy import kernels
 
 # Batch-size hint for the reorder; measured on 576x3072: the chosen layout serves M=1..300 alike.
 _PACK_HINT = 64
@@ -33,11 +35,9 @@ def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
         device.type == "cpu"
         and dtype == torch.bfloat16
         and not torch.cpu._is_avx512_bf16_supported()
+        and kernels.available()
     ):
-        from convoy.worker.cpu_kernels import cpu_kernels_available
-
-        if cpu_kernels_available():
-            return "bf16-kernel"
+        return "bf16-kernel"
     return None
 
 
@@ -91,19 +91,17 @@ class PackedLinear(_PrepackedLinear):
 
 
 class Bf16PackedLinear(_PrepackedLinear):
-    """bf16 on a CPU without native bf16: weight in 16-wide panels for csrc/bf16_linear.cpp."""
+    """bf16 on a CPU without native bf16: 16-wide weight panels for kernels/csrc/bf16_linear.cpp."""
 
     kind = "bf16-kernel"
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
-        from convoy.worker.cpu_kernels import cpu_kernels_available
-
-        if not cpu_kernels_available():
+        if not kernels.available():
             raise RuntimeError("the bf16 linear kernel could not be built (see the log)")
-        return torch.ops.convoy.pack_bf16_weight(weight.to(torch.bfloat16))
+        return kernels.pack_bf16_weight(weight.to(torch.bfloat16))
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.convoy.bf16_linear(x, self.packed, self.bias, self.out_features)
+        return kernels.bf16_linear(x, self.packed, self.bias, self.out_features)
 
 
 _BY_KIND: dict[str, type[_PrepackedLinear]] = {c.kind: c for c in (PackedLinear, Bf16PackedLinear)}

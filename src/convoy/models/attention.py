@@ -9,7 +9,8 @@ Layout of one layer's cache (see kv_cache.py): K and V are each a head-major ten
 
 A step's tokens come flat: sequence 0's new tokens, then sequence 1's, ... New K/V are written to
 their slots first, then each query reads its sequence's slots. Sequences with one new token (decode)
-are attended together in one batched call; sequences with several (prefill chunks) one at a time.
+are attended together in one batched call (the csrc kernel of convoy.kernels on the CPU, else torch);
+sequences with several (prefill chunks) one at a time.
 
 Head-major slots make a sequence's context one `index_select` along dim 1 that lands directly in
 the (Hkv, B, L, D) layout the batched matmuls read, with no transpose copy afterwards (measured,
@@ -23,6 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from convoy import kernels
 
 
 @dataclass(slots=True)
@@ -46,7 +50,7 @@ class AttentionMetadata:
     decode_len_max: int  # NB * block_size: keys per decode sequence, padding included
     decode_lens: torch.Tensor | None  # (Bd,) context length per decode sequence
     all_decode: bool = False  # every token of the step is a decode token, in order
-    native_decode: bool = False  # use torch.ops.convoy.decode_attention (csrc/, CPU fp32/bf16)
+    native_decode: bool = False  # use convoy.kernels.decode_attention (CPU fp32/bf16)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -105,7 +109,7 @@ def _decode_attention(
     assert meta.decode_blocks is not None and meta.decode_lens is not None
     b, h, d = q.shape
     if meta.native_decode:
-        return torch.ops.convoy.decode_attention(
+        return kernels.decode_attention(
             q, k_cache, v_cache, meta.decode_blocks.view(b, -1), meta.decode_lens,
             meta.block_size, scale, window or 0,
         )  # fmt: skip
@@ -169,3 +173,27 @@ def _prefill_attention(
         enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)  # (Tq, H, D)
+
+
+class Attention(nn.Module):
+    """One layer's paged attention: the model family computes q/k/v, this owns the cache.
+
+    The worker binds the layer's K/V cache tensors with `bind_cache` after allocating the pool.
+    """
+
+    def __init__(self, layer_idx: int, scale: float, window: int | None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.scale = scale
+        self.window = window  # None = full attention
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D)."""
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)

@@ -1,0 +1,16 @@
+"""EngineStats: a snapshot of the engine's counters (for /metrics and tests). A leaf module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int  # sequences
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_prompt_tokens: int  # totals since start
+    num_generation_tokens: int
+    num_preemptions: int

@@ -1,0 +1,31 @@
+"""Native C++ CPU kernels (csrc/), built on first use; a leaf package: imports nothing from convoy.
+
+    from convoy import kernels
+    if kernels.available():  # memoised; False (torch path) when disabled, without compiler, ...
+        out = kernels.decode_attention(q, k_cache, v_cache, block_tables, lens, bs, scale, 0)
+
+`build()` is the strict form: it raises NoCompilerError or KernelBuildError (with the compiler
+output) instead of returning False. See builder.py for the cache and how builds stay safe.
+"""
+
+from .builder import (
+    KernelBuildError,
+    NoCompilerError,
+    available,
+    build,
+    cache_dir,
+    has_compiler,
+)
+from .ops import bf16_linear, decode_attention, pack_bf16_weight
+
+__all__ = [
+    "KernelBuildError",
+    "NoCompilerError",
+    "available",
+    "bf16_linear",
+    "build",
+    "cache_dir",
+    "decode_attention",
+    "has_compiler",
+    "pack_bf16_weight",
+]

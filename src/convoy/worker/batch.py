@@ -1,0 +1,63 @@
+"""What crosses the engine/worker boundary in one step: plain data, no torch, no engine objects.
+
+scheduler --list[ScheduledSeq]--> Worker.execute --ModelRunnerOutput--> scheduler.update_from_output
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from convoy.outputs import PositionLogprobs
+from convoy.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplerRow:
+    """How the sequence's next token is sampled."""
+
+    params: SamplingParams
+    seed: int | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_ids: list[int]  # EOS and stop token ids: masked while below min_tokens
+    need_logprob: bool  # sampled-token logprob needed (logprobs asked, or best_of ranking)
+
+
+@dataclass(slots=True)
+class PromptScoring:
+    """Prompt logprobs wanted from one scheduled sequence this step."""
+
+    first: int  # position of the first prompt token to score
+    targets: list[int]  # the prompt tokens to score, from `first` on
+    k: int
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence of a step, as the worker sees it."""
+
+    req_id: str
+    token_ids: list[int]  # the new tokens to compute this step
+    start_pos: int  # tokens of this sequence already in the cache
+    block_table: list[int]
+    sampling: SamplerRow | None = None  # set when the last new token samples
+    scoring: PromptScoring | None = None  # set when this chunk scores prompt tokens
+
+    @property
+    def need_logits(self) -> bool:
+        return self.sampling is not None
+
+    @property
+    def prompt_logits_from(self) -> int | None:
+        """Index among the new tokens of the first position whose logits score the prompt."""
+        return None if self.scoring is None else self.scoring.first - 1 - self.start_pos
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One step's results, keyed by request id."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # sequences that sampled
+    sampled_logprobs: dict[str, float] = field(default_factory=dict)  # where need_logprob
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # where params.logprobs
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
