@@ -157,11 +157,13 @@ def bench_model_dtype(name: str, dtype: str, args: argparse.Namespace, log) -> l
         enable_prefix_caching=args.prefix_cache,
         prepack_linears=not args.torch_path,
         cpu_kernels=not args.torch_path,
+        keep_gguf_quantized=args.keep_gguf_quantized,
     )
     worker = llm.core.worker
     log(
         f"[{name} {dtype}] Convoy loaded in {time.perf_counter() - t0:.1f}s ({llm.model_path.name});"
-        f" packed linears: {worker.packed_linears}, native decode attention: {worker.native_decode}"
+        f" quantized linears: {worker.quantized_linears}, packed linears: {worker.packed_linears},"
+        f" native decode attention: {worker.native_decode}"
     )
     tok = llm.tokenizer
     all_ids = [tok.encode(p) for p in make_prompts(max(args.batches))]
@@ -246,6 +248,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--torch-path",
         action="store_true",
         help="Convoy without its CPU kernels (plain torch linears and attention), for A/B runs",
+    )
+    p.add_argument(
+        "--keep-gguf-quantized",
+        action="store_true",
+        help="Convoy runs the GGUF's Q4_0/Q4_1/Q8_0 linears in their blocks (int8 kernels)",
     )
     p.add_argument("--wait-idle", type=float, default=0, help="wait up to N s for a quiet CPU")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")

@@ -313,6 +313,11 @@ class EngineConfig(_Config):
         True,
         "CPU: decode attention by Convoy's compiled kernel (the torch path if it is not built)",
     )
+    keep_gguf_quantized: bool = setting(
+        False,
+        "CPU, GGUF files: keep Q4_0/Q4_1/Q8_0 linear weights in their blocks, run by Convoy's int8"
+        " kernels (experimental; other types are dequantized)",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -16,9 +16,10 @@ from .builder import (
     cache_dir,
     has_compiler,
 )
-from .ops import bf16_linear, decode_attention, pack_bf16_weight
+from .ops import QUANT_BLOCK_BYTES, bf16_linear, decode_attention, pack_bf16_weight, quant_linear
 
 __all__ = [
+    "QUANT_BLOCK_BYTES",
     "KernelBuildError",
     "NoCompilerError",
     "available",
@@ -28,4 +29,5 @@ __all__ = [
     "decode_attention",
     "has_compiler",
     "pack_bf16_weight",
+    "quant_linear",
 ]

@@ -210,9 +210,9 @@ def _compile(
 def _arch_flags() -> tuple[str, list[str]]:
     cap = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     if cap.startswith("AVX512"):
-        return "avx512", ["-mavx512f", "-mavx2", "-mfma"]
+        return "avx512", ["-mavx512f", "-mavx2", "-mfma", "-mf16c"]
     if cap == "AVX2":
-        return "avx2", ["-mavx2", "-mfma"]
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
 
 

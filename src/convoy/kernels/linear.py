@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from convoy import kernels
+from convoy.kernels.ops import QUANT_BLOCK_BYTES, quant_linear
 
 # Batch-size hint for the reorder; measured on 576x3072: the chosen layout serves M=1..300 alike.
 _PACK_HINT = 64
@@ -120,4 +121,45 @@ def pack_linears(model: nn.Module, kind: str = "onednn") -> int:
             if isinstance(child, nn.Linear):
                 setattr(module, name, _BY_KIND[kind](child))
                 count += 1
+    return count
+
+
+class QuantLinear(nn.Module):
+    """A GGUF block-quantized weight kept as its bytes (Q4_0, Q4_1, Q8_0), run by
+    `kernels.quant_linear`; fp32 activations in and out (the model's dtype in this mode)."""
+
+    def __init__(
+        self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None
+    ):
+        super().__init__()
+        if qtype not in QUANT_BLOCK_BYTES or in_features % 32:
+            raise ValueError(f"unsupported quantized weight: type {qtype}, {in_features} inputs")
+        if blocks.shape[1] != in_features // 32 * QUANT_BLOCK_BYTES[qtype]:
+            raise ValueError(f"{blocks.shape[1]} bytes per row do not hold {in_features} weights")
+        self.in_features, self.out_features, self.qtype = in_features, blocks.shape[0], qtype
+        self.blocks: torch.Tensor
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()
+        y = quant_linear(x2, self.blocks, self.qtype, self.bias)
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, ggml type {self.qtype}"
+
+
+def use_quantized(model: nn.Module, weights: dict[str, tuple[int, torch.Tensor]]) -> int:
+    """Replace the `nn.Linear` named by each key with a QuantLinear of its blocks; returns how
+    many were replaced (a tied lm_head stops sharing the embedding's weight)."""
+    count = 0
+    for name, (qtype, blocks) in weights.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        if isinstance(old, nn.Linear) and blocks.shape[0] == old.out_features:
+            setattr(parent, attr, QuantLinear(blocks, qtype, old.in_features, old.bias))
+            count += 1
     return count

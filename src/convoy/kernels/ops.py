@@ -36,3 +36,17 @@ def bf16_linear(
 ) -> torch.Tensor:
     """x (M, K) bf16 or fp32 @ packed weight (+ bias) -> (M, out_features) in x's dtype."""
     return torch.ops.convoy.bf16_linear(x, packed, bias, out_features)
+
+
+# GGML type ids of the block formats `quant_linear` runs, and their bytes per 32 weights.
+QUANT_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+
+
+def quant_linear(
+    x: torch.Tensor, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (M, K) fp32 @ GGUF-quantized weight (N, K / 32 blocks as uint8 bytes) -> (M, N) fp32.
+
+    Activations are quantized to int8 blocks of 32 inside (csrc/quant_linear.cpp), as llama.cpp.
+    """
+    return torch.ops.convoy.quant_linear(x, weight, qtype, bias)

@@ -130,7 +130,7 @@ def _tensors(
 
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        hf_name = _hf_name(t.name, family)
+        hf_name = hf_tensor_name(t.name, family)
         if hf_name is None:
             raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
         data = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -140,7 +140,7 @@ def _tensors(
     return out
 
 
-def _hf_name(name: str, family: type[CausalLM]) -> str | None:
+def hf_tensor_name(name: str, family: type[CausalLM]) -> str | None:
     fixed = {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",

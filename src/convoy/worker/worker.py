@@ -8,7 +8,9 @@ import torch
 
 from convoy import kernels
 from convoy.config import EngineConfig
-from convoy.kernels.linear import linear_packing, pack_linears
+from convoy.kernels.linear import linear_packing, pack_linears, use_quantized
+from convoy.kernels.ops import QUANT_BLOCK_BYTES
+from convoy.models.gguf_quant import quantized_linears
 from convoy.models.layers import CausalLM
 from convoy.models.loader import load_model, resolve_model
 from convoy.worker.batch import ModelRunnerOutput, ScheduledSeq
@@ -17,6 +19,8 @@ from convoy.worker.model_runner import ModelRunner
 from convoy.worker.sampler import prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
+
+QUANT_TYPES = set(QUANT_BLOCK_BYTES)  # GGUF block types kept quantized with keep_gguf_quantized
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,6 +53,10 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(resolved, self.dtype, self.device)
         self.model_family: type[CausalLM] = type(self.model)
+        self.quantized_linears = 0
+        if config.keep_gguf_quantized and self._can_quantize():
+            weights = quantized_linears(resolved.weights_path, resolved.model_dir, QUANT_TYPES)
+            self.quantized_linears = use_quantized(self.model, weights)
         self.packed_linears = 0
         packing = linear_packing(self.device, self.dtype) if config.prepack_linears else None
         if packing is not None:
@@ -68,11 +76,21 @@ class Worker:
         )
         self.runner = ModelRunner(self.model, kv, self.device, self.native_decode)
         logger.info(
-            "loaded %s (%s) on %s in %s; %d KV blocks of %d tokens; %d linears prepacked; "
-            "native decode attention: %s",
+            "loaded %s (%s) on %s in %s; %d KV blocks of %d tokens; %d linears quantized, "
+            "%d prepacked; native decode attention: %s",
             self.model_name, resolved.config.architecture, self.device, self.dtype,
-            self.num_blocks, cache.block_size, self.packed_linears, self.native_decode,
+            self.num_blocks, cache.block_size, self.quantized_linears, self.packed_linears,
+            self.native_decode,
         )  # fmt: skip
+
+    def _can_quantize(self) -> bool:
+        """GGUF blocks run on the CPU by the compiled kernels; else the weights stay dequantized."""
+        if self.model_path.suffix != ".gguf" or self.device.type != "cpu":
+            return False
+        if not kernels.available():
+            logger.warning("keep_gguf_quantized: CPU kernels unavailable, weights dequantized")
+            return False
+        return True
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:

@@ -1,0 +1,72 @@
+"""A GGUF file's linear weights in their quantized blocks, named as this model's modules.
+
+    blk.N.attn_q/k/v  -> model.layers.N.self_attn.qkv_proj   (rows concatenated; family row order)
+    blk.N.ffn_gate/up -> model.layers.N.mlp.gate_up_proj
+    output (or the tied token_embd) -> lm_head
+
+A module is returned only when all its parts have one of the wanted block types; the rest stay
+dequantized. Rows are reordered with the family's own GGUF hook (llama's Q/K un-permutation is a
+row permutation), applied to row indices: a hook that does more than permute rows rules it out.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from convoy.models.gguf_convert import field, hf_tensor_name, read_gguf
+from convoy.models.registry import gguf_family
+
+QuantWeight = tuple[int, torch.Tensor]  # (GGML type id, (N, row bytes) uint8 blocks)
+
+
+def quantized_linears(gguf_path: Path, model_dir: Path, types: set[int]) -> dict[str, QuantWeight]:
+    """Module name -> its quantized weight, for every linear whose GGUF tensors all have a type
+    in `types`. `model_dir` is the converted folder (its config.json gives the head counts)."""
+    reader = read_gguf(gguf_path)
+    arch = field(reader, "general.architecture")
+    family = gguf_family(arch)
+    assert family is not None, arch
+    cfg = json.loads((model_dir / "config.json").read_text())
+    fused = family.packed_modules
+    parts: dict[str, dict[int, QuantWeight | None]] = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name, family)
+        if t.name == "token_embd.weight" and cfg.get("tie_word_embeddings"):
+            name = "lm_head.weight"
+        if name is None or not name.endswith(".weight") or "norm" in name or "embed" in name:
+            continue
+        base = name[: -len(".weight")]
+        module, piece = base.rsplit(".", 1) if "." in base else ("", base)
+        target, shard = fused.get(piece, (piece, 0))
+        key = f"{module}.{target}" if module else target
+        qtype = int(t.tensor_type)
+        blocks = None
+        if qtype in types:
+            rows = _row_order(family, arch, name, int(t.data.shape[0]), cfg)
+            if rows is not None:
+                blocks = torch.from_numpy(np.ascontiguousarray(t.data[rows.numpy()]))
+        parts.setdefault(key, {})[shard] = None if blocks is None else (qtype, blocks)
+    return {key: w for key, shards in parts.items() if (w := _joined(shards)) is not None}
+
+
+def _row_order(family: type, arch: str, name: str, n: int, cfg: dict) -> torch.Tensor | None:
+    index = torch.arange(n, dtype=torch.float64).unsqueeze(1)
+    rows = family.gguf_tensor(arch, name, index, cfg)[:, 0]  # type: ignore[attr-defined]
+    order = rows.round().long()
+    if not torch.equal(order.sort().values, torch.arange(n)) or not torch.equal(
+        rows, order.double()
+    ):
+        return None
+    return order
+
+
+def _joined(shards: dict[int, QuantWeight | None]) -> QuantWeight | None:
+    ordered = [shards.get(i) for i in range(len(shards))]
+    if any(s is None for s in ordered) or len({s[0] for s in ordered if s}) != 1:
+        return None
+    qtype = ordered[0][0]  # type: ignore[index]
+    return qtype, torch.cat([s[1] for s in ordered if s is not None])
