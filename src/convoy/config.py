@@ -354,3 +354,7 @@ class ServerConfig(_Config):
     log_level: str = setting(
         "info", "server log level (info: one line per request)", choices=LOG_LEVELS
     )
+
+    def _validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")

@@ -120,6 +120,7 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ["--dtype", "float16"],
         ["--device", "tpu"],
         ["--log-level", "loud"],
+        ["--port", "99999999"],
     ],
 )
 def test_bad_flags_exit(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,7 +62,9 @@ class _PrepackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.packed = self._pack(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.bias: torch.Tensor | None = (
+            None if linear.bias is None else linear.bias.detach().contiguous()
+        )
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -124,31 +126,25 @@ def pack_linears(model: nn.Module, kind: str = "onednn") -> int:
     return count
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(_PrepackedLinear):
     """A GGUF block-quantized weight kept as its bytes (Q4_0, Q4_1, Q8_0), run by
-    `kernels.quant_linear`; fp32 activations in and out (the model's dtype in this mode)."""
+    `kernels.quant_linear` on fp32 activations (cast from and back to the input's dtype)."""
 
     def __init__(
         self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None
-    ):
-        super().__init__()
+    ) -> None:
+        nn.Module.__init__(self)
         if qtype not in QUANT_BLOCK_BYTES or in_features % 32:
             raise ValueError(f"unsupported quantized weight: type {qtype}, {in_features} inputs")
         if blocks.shape[1] != in_features // 32 * QUANT_BLOCK_BYTES[qtype]:
             raise ValueError(f"{blocks.shape[1]} bytes per row do not hold {in_features} weights")
-        self.in_features, self.out_features, self.qtype = in_features, blocks.shape[0], qtype
-        self.blocks: torch.Tensor
-        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.qtype, self.kind = qtype, f"ggml type {qtype}"
+        self.packed = blocks.contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float().contiguous()
-        y = quant_linear(x2, self.blocks, self.qtype, self.bias)
-        return y.view(*shape[:-1], self.out_features).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, ggml type {self.qtype}"
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x.float(), self.packed, self.qtype, self.bias).to(x.dtype)
 
 
 def use_quantized(model: nn.Module, weights: dict[str, tuple[int, torch.Tensor]]) -> int:
