@@ -429,7 +429,13 @@ def main() -> None:
         "--convoy-flag",
         action="append",
         default=[],
-        help="extra `convoy serve` flag, repeatable (e.g. --convoy-flag=--keep-gguf-quantized)",
+        help="extra `convoy serve` flag, repeatable (e.g. --convoy-flag=--quantization=none)",
+    )
+    add(
+        "--convoy-default-kv",
+        action="store_true",
+        help="leave Convoy's KV pool at its default budget instead of sizing it to the tokens of"
+        " llama-server's context (slots x ctx per slot), as the memory comparison assumes",
     )
     add("--concurrency", default="1,4,16,64", help="concurrent streams per row")
     add("--tokens", type=int, default=128, help="generated tokens per stream")
@@ -475,15 +481,21 @@ def main() -> None:
                "-t", str(args.threads), "--no-webui"]  # fmt: skip
         return Server("llama-server", cmd, args.host)
 
-    def convoy() -> Server:
+    def convoy(slots: int, ctx: int) -> Server:
+        kv = [] if args.convoy_default_kv else ["--num-kv-blocks", str(-(-slots * ctx // block))]
         cmd = [sys.executable, "-m", "convoy.cli", "serve", str(args.gguf), "--log-level",
-               "warning", *(["--dtype", args.dtype] if args.dtype else []),
+               "warning", *(["--dtype", args.dtype] if args.dtype else []), *kv,
                *args.convoy_flag]  # fmt: skip
         return Server("convoy", cmd, args.host, env)
 
-    phases = [("streaming", llama, (args.slots, args.ctx_per_slot)), ("streaming", convoy, ())]
+    from convoy.config import CacheConfig
+
+    block = CacheConfig().block_size
+    stream_shape = (args.slots, args.ctx_per_slot)
+    phases = [("streaming", llama, stream_shape), ("streaming", convoy, stream_shape)]
     if not args.skip_prompt_heavy:
-        phases += [("heavy", llama, (HEAVY_STREAMS, HEAVY_CTX)), ("heavy", convoy, ())]
+        heavy_shape = (HEAVY_STREAMS, HEAVY_CTX)
+        phases += [("heavy", llama, heavy_shape), ("heavy", convoy, heavy_shape)]
     stream_res: dict[str, dict] = {}
     heavy_res: dict[str, dict] = {}
     heavy_prompts: dict[int, list[str]] = {}

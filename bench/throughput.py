@@ -1,6 +1,7 @@
 """Aggregate decode throughput: Convoy offline vs. transformers, side by side, in one run.
 
-    python bench/throughput.py                 # both models, fp32 + bf16, batches 1/4/16/64, 128 tokens
+    python bench/throughput.py                 # both models, auto (quantized) + fp32 + bf16,
+                                               # batches 1/4/16/64, 128 tokens
     python bench/throughput.py --quick         # smollm2, bf16, batches 1/16, 32 tokens (~1-2 min)
     python bench/throughput.py --models gemma3-270m --dtypes bfloat16 --batches 16,64
 
@@ -12,7 +13,8 @@ ignored) and the table reports all generated tokens / wall time for:
            sequential, so per-prompt times are measured once per model x dtype and summed; above
            --seq-sample prompts, the mean of the first --seq-sample prompts is extrapolated (*)
   static   transformers `generate` on all B prompts left-padded into one batch, timed once
-Both baselines load the HF folder Convoy converted from the GGUF (`worker.model_dir`): same weights.
+Both baselines load the HF folder Convoy converted from the GGUF (`worker.model_dir`): same weights
+(dequantized; in fp32 for Convoy's dtype auto, whose linears run on the GGUF's quantized blocks).
 All three paths get the same token ids. Prefix caching is off unless --prefix-cache, so repeated
 Convoy runs recompute their prompts as the baselines do. "agree" = leading generated tokens of
 prompt 0 that Convoy and one-at-a-time transformers have in common (of --tokens). "others' CPU" =
@@ -36,7 +38,7 @@ import torch
 from prompts import make_prompts
 
 MODELS = ("smollm2-135m-instruct", "gemma3-270m")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")  # auto: a GGUF runs quantized (int8 kernels)
 
 
 class CpuMeter:
@@ -149,6 +151,7 @@ class HFBaselines:
 
 def bench_model_dtype(name: str, dtype: str, args: argparse.Namespace, log) -> list[Row]:
     from convoy import LLM, SamplingParams
+    from convoy.models.loader import ensure_hf_weights, resolve_model
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -157,7 +160,7 @@ def bench_model_dtype(name: str, dtype: str, args: argparse.Namespace, log) -> l
         enable_prefix_caching=args.prefix_cache,
         prepack_linears=not args.torch_path,
         cpu_kernels=not args.torch_path,
-        keep_gguf_quantized=args.keep_gguf_quantized,
+        quantization=args.quantization,
     )
     worker = llm.core.worker
     log(
@@ -175,7 +178,9 @@ def bench_model_dtype(name: str, dtype: str, args: argparse.Namespace, log) -> l
         pad = tok._tok.pad_token_id
         pad = pad if pad is not None else tok.eos_token_id
         t0 = time.perf_counter()
-        hf = HFBaselines(str(llm.core.worker.model_dir), getattr(torch, dtype), pad)
+        hf_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+        folder = ensure_hf_weights(resolve_model(name))  # a quantized load writes none
+        hf = HFBaselines(str(folder), hf_dtype, pad)
         log(f"[{name} {dtype}] transformers loaded in {time.perf_counter() - t0:.1f}s")
 
     rows = []
@@ -237,7 +242,7 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated model names")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="float32,bfloat16")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="auto,float32,bfloat16")
     p.add_argument("--batches", default="1,4,16,64", help="sequences per run, comma-separated")
     p.add_argument("--tokens", type=int, default=128, help="generated tokens per sequence")
     p.add_argument("--repeats", type=int, default=3, help="Convoy runs per batch size")
@@ -250,9 +255,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Convoy without its CPU kernels (plain torch linears and attention), for A/B runs",
     )
     p.add_argument(
-        "--keep-gguf-quantized",
-        action="store_true",
-        help="Convoy runs the GGUF's Q4_0/Q4_1/Q8_0 linears in their blocks (int8 kernels)",
+        "--quantization",
+        default="auto",
+        choices=("auto", "none", "gguf", "int8", "int4"),
+        help="Convoy's quantization (auto: a GGUF's blocks kept in dtype auto, else none)",
     )
     p.add_argument("--wait-idle", type=float, default=0, help="wait up to N s for a quiet CPU")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")

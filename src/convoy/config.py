@@ -262,6 +262,8 @@ class _Config:
 
 DTYPES = ("auto", "float32", "bfloat16")
 _DTYPE_ALIASES = ("fp32", "bf16")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -281,6 +283,16 @@ class CacheConfig(_Config):
     enable_prefix_caching: bool = setting(
         True, "reuse the KV blocks of prompt prefixes shared between requests"
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "K/V storage dtype (auto: float16 in a quantized mode, else the model's); bfloat16 or"
+        " float16 under fp32 activations halve the bytes per cached token, computing in fp32",
+        choices=KV_CACHE_DTYPES,
+    )
+
+    def _validate(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}")
 
 
 @dataclass(slots=True)
@@ -301,7 +313,8 @@ class EngineConfig(_Config):
     )
     dtype: str = setting(
         "auto",
-        "weights and activations; auto: bf16 on CUDA and AVX512-BF16 CPUs, else fp32",
+        "weights and activations; auto: fp32 activations over quantized weights for a GGUF file"
+        " on the CPU, else bf16 on CUDA and AVX512-BF16 CPUs, else fp32",
         choices=DTYPES,
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
@@ -313,10 +326,12 @@ class EngineConfig(_Config):
         True,
         "CPU: decode attention by Convoy's compiled kernel (the torch path if it is not built)",
     )
-    keep_gguf_quantized: bool = setting(
-        False,
-        "CPU, GGUF files: keep Q4_0/Q4_1/Q8_0 linear weights in their blocks, run by Convoy's int8"
-        " kernels (experimental; other types are dequantized)",
+    quantization: str = setting(
+        "auto",
+        "CPU linear weights: gguf keeps a GGUF file's blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/"
+        "Q6_K; others dequantized), int8/int4 quantize bf16/fp32 weights at load, none dequantizes;"
+        " auto: gguf for a GGUF file in dtype auto, else none",
+        choices=QUANTIZATIONS,
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -326,6 +341,8 @@ class EngineConfig(_Config):
             raise ConfigError(f"unsupported dtype {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"unsupported device {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"unsupported quantization {self.quantization!r}")
 
 
 @dataclass(slots=True)

@@ -1,10 +1,18 @@
-"""csrc/quant_linear.cpp: GGUF Q4_0 / Q4_1 / Q8_0 weights kept in their blocks, against a reference.
+"""csrc/quant_linear.cpp: GGUF-quantized weights repacked into panels, against references.
 
-The reference follows the same arithmetic in float64: weights dequantized by the gguf package,
-activations quantized to int8 blocks of 32 (scale amax / 127, round half to even) and dequantized.
+Weights: the legacy types are quantized from real-valued matrices by the gguf package; the K-quants
+(which gguf cannot quantize) are random blocks with sane scales, so every bit pattern is decoded.
+The references are gguf's own dequantization and, for the product, the same arithmetic in float64:
+activations quantized to int8 blocks of 32 exactly as the kernel does (fp32 scale amax / 127, fp32
+reciprocal, round half to even), times the kernel's own dequantized rows.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,61 +20,162 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from convoy.kernels.linear import QuantLinear
+from convoy.kernels import builder
+from convoy.kernels.linear import QuantLinear, panel_kind
+from convoy.kernels.ops import QUANT_BLOCKS, QUANT_KIND_Q4, QUANT_KIND_Q8, QUANT_KIND_Q8M
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
-SHAPES = [(1, 32), (7, 64), (45, 96), (130, 576)]  # (N, K): odd N, thread-split remainders
-BATCHES = [1, 2, 3, 5, 17, 64, 65, 300]  # M: group and tile remainders
+LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+KQUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
+SHAPES = {32: [(1, 32), (7, 64), (45, 96)], 256: [(3, 256), (45, 512)]}  # (N, K) by block size
+BATCHES = [1, 2, 3, 4, 5, 17, 64, 65, 300]  # M: register-tile, tile and thread remainders
+HALF_FIELDS = {  # byte offsets of a GGUF block's fp16 scale (and min/offset) fields
+    T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
+    T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+}  # fmt: skip
 
 
-def _weights(n: int, k: int, qtype: T, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+def _blocks(n: int, k: int, qtype: T, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(blocks, their dequantized weights) for an (n, k) matrix of `qtype`."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.01).astype(np.float32)
-    blocks = quantize(w, qtype)
-    return torch.from_numpy(np.ascontiguousarray(blocks)), dequantize(blocks, qtype)
+    if qtype in LEGACY:
+        w = rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.01
+        raw = quantize(w.astype(np.float32), qtype)
+    else:
+        elems, nbytes = QUANT_BLOCKS[int(qtype)]
+        raw = rng.integers(0, 256, (n, k // elems, nbytes), dtype=np.uint8)
+        for off in HALF_FIELDS[qtype]:
+            half = rng.uniform(0.001, 0.02, (n, k // elems)).astype(np.float16)
+            raw[:, :, off : off + 2] = half.view(np.uint8).reshape(n, k // elems, 2)
+        raw = raw.reshape(n, -1)
+    return torch.from_numpy(np.ascontiguousarray(raw)), dequantize(raw, qtype)
 
 
-def _reference(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
-    xb = x.double().view(x.shape[0], -1, 32)
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    xb = x.float().reshape(x.shape[0], -1, 32)
     d = xb.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, xb / d, torch.zeros_like(xb)).round()  # half to even, as nearbyint
-    xq = (q * d).view(x.shape)
-    return xq @ torch.from_numpy(w).double().T
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv)  # fp32 product, half to even: as the kernel
+    return (q.double() * d.double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_matches_the_reference_for_every_batch_size(qtype: T, n: int, k: int) -> None:
-    blocks, w = _weights(n, k, qtype, seed=n + k)
-    layer = QuantLinear(blocks, int(qtype), k, None)
-    x = torch.randn(max(BATCHES), k, generator=torch.Generator().manual_seed(k))
+def _assert_dequantized(rows: torch.Tensor, w: np.ndarray, exact: bool) -> None:
+    """Legacy scales stay the fp16 they are stored as (exact); K-quant sub-block scales and mins
+    are products rounded to fp16 (relative 2^-11 each)."""
+    if exact:
+        assert np.array_equal(rows.numpy(), w)
+    else:
+        assert np.allclose(rows.numpy(), w, rtol=2**-11, atol=2**-10 * np.abs(w).max())
+
+
+def _check(layer: QuantLinear, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     full = layer(x)
-    ref = _reference(x, w)
-    scale = ref.abs().max().item()
-    assert (full.double() - ref).abs().max().item() <= 1e-5 * scale
-    # Against the plain fp32 product the int8 activations cost a little accuracy, no more.
-    exact = x @ torch.from_numpy(w).T
-    assert (full - exact).abs().max().item() <= 0.02 * exact.abs().max().item()
-    for m in BATCHES:  # batch invariance: each row is the same bits alone and in any batch
-        assert torch.equal(layer(x[:m]), full[:m]), m
+    ref = _quantized_activations(x) @ w.double().T
+    assert (full.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+    exact = x.double() @ w.double().T  # the int8 activations cost a little, no more
+    assert (full.double() - exact).abs().max().item() <= 0.03 * exact.abs().max().item()
+    return full
+
+
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS, ids=lambda t: t.name)
+def test_every_type_matches_the_references_for_every_batch_size(qtype: T) -> None:
+    for n, k in SHAPES[QUANT_BLOCKS[int(qtype)][0]]:
+        blocks, w = _blocks(n, k, qtype, seed=n + k)
+        layer = QuantLinear(blocks, int(qtype), k, None)
+        rows = layer.dequantize_rows(torch.arange(n))
+        _assert_dequantized(rows, w, exact=qtype in LEGACY)
+        x = torch.randn(max(BATCHES), k, generator=torch.Generator().manual_seed(k))
+        full = _check(layer, x, rows)
+        for m in BATCHES:  # batch invariance: each row is the same bits alone and in any batch
+            assert torch.equal(layer(x[:m]), full[:m]), (n, k, m)
+
+
+def test_batch_invariance_for_every_batch_size_up_to_300() -> None:
+    blocks, _ = _blocks(45, 512, T.Q4_K, seed=3)
+    q4 = QuantLinear(blocks, int(T.Q4_K), 512, None)
+    blocks, _ = _blocks(45, 512, T.Q6_K, seed=4)
+    q8 = QuantLinear(blocks, int(T.Q6_K), 512, None)
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(5))
+    for layer in (q4, q8):
+        full = layer(x)
+        for m in range(1, 301):
+            assert torch.equal(layer(x[:m]), full[:m]), m
+            assert torch.equal(layer(x[m - 1 : m]), full[m - 1 : m]), m
+
+
+def test_mixed_types_join_into_one_panel_kind() -> None:
+    assert panel_kind([int(T.Q4_K), int(T.Q4_0)]) == QUANT_KIND_Q4
+    assert panel_kind([int(T.Q5_0), int(T.Q8_0), int(T.Q6_K)]) == QUANT_KIND_Q8
+    assert panel_kind([int(T.Q4_K), int(T.Q6_K)]) == QUANT_KIND_Q8M
+    for types in ([T.Q5_0, T.Q5_0, T.Q8_0], [T.Q4_K, T.Q6_K], [T.Q4_1, T.Q5_1]):
+        parts = [_blocks(16, 256, t, seed=i) for i, t in enumerate(types)]
+        parts[-1] = _blocks(13, 256, types[-1], seed=9)  # the last part may end mid-panel
+        pairs = [(int(t), b) for t, (b, _) in zip(types, parts, strict=True)]
+        layer = QuantLinear.from_parts(pairs, 256, None)
+        w = torch.from_numpy(np.concatenate([w for _, w in parts]))
+        rows = layer.dequantize_rows(torch.arange(w.shape[0]))
+        _assert_dequantized(rows, w.numpy(), exact=False)
+        x = torch.randn(70, 256, generator=torch.Generator().manual_seed(1))
+        _check(layer, x, rows)
 
 
 def test_bias_and_leading_dims() -> None:
-    blocks, w = _weights(10, 64, T.Q4_1, seed=1)
+    blocks, w = _blocks(10, 64, T.Q4_1, seed=1)
     bias = torch.arange(10, dtype=torch.float32)
     layer = QuantLinear(blocks, int(T.Q4_1), 64, bias)
     x = torch.randn(2, 3, 64)
     out = layer(x)
     assert out.shape == (2, 3, 10)
-    ref = _reference(x.view(6, 64), w).view(2, 3, 10) + bias.double()
-    assert torch.allclose(out.double(), ref, atol=1e-4)
+    ref = _quantized_activations(x.view(6, 64)) @ torch.from_numpy(w).double().T
+    assert torch.allclose(out.double(), ref.view(2, 3, 10) + bias.double(), atol=1e-5)
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
-def test_rejects_shapes_it_cannot_run() -> None:
-    blocks, _ = _weights(4, 64, T.Q8_0, seed=2)
-    with pytest.raises(ValueError):
-        QuantLinear(blocks, int(T.Q8_0), 96, None)  # row bytes do not hold 96 weights
-    with pytest.raises(ValueError):
-        QuantLinear(blocks, int(T.Q4_K), 64, None)  # not a type this kernel runs
+def test_rejects_what_it_cannot_run() -> None:
+    blocks, _ = _blocks(16, 64, T.Q8_0, seed=2)
+    with pytest.raises(ValueError, match="bytes do not hold"):
+        QuantLinear(blocks, int(T.Q8_0), 96, None)
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantLinear(blocks, int(T.Q2_K), 64, None)
+    with pytest.raises(ValueError, match="divisible"):
+        QuantLinear(blocks, int(T.Q4_K), 64, None)
+    odd, _ = _blocks(5, 64, T.Q8_0, seed=3)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        QuantLinear.from_parts([(int(T.Q8_0), odd), (int(T.Q8_0), blocks)], 64, None)
+    layer = QuantLinear(blocks, int(T.Q8_0), 64, None)
+    with pytest.raises(RuntimeError, match="out of range"):
+        layer.dequantize_rows(torch.tensor([16]))
+
+
+_CROSS_CHECK = """
+import sys, torch
+from convoy import kernels
+kernels.build()
+from convoy.kernels.linear import QuantLinear
+cases = torch.load(sys.argv[1])
+torch.save([QuantLinear(b, t, k, None)(x) for t, b, k, x in cases], sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(builder.isa() == "avx2", reason="this host's build is the AVX2 one")
+def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
+    """AVX2 (no VNNI) is the floor CI may run on: its maddubs path must give exactly what this
+    host's path gives (exact integer dots, the same float steps)."""
+    if builder.isa() == "generic":
+        pytest.skip("this host cannot run AVX2 code")
+    cases = []
+    for i, qtype in enumerate([T.Q4_1, T.Q8_0, T.Q5_K, T.Q6_K]):
+        blocks, _ = _blocks(21, 256, qtype, seed=i)
+        cases.append((int(qtype), blocks, 256, torch.randn(9, 256)))
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, builder.ISA_ENV: "avx2"}
+    subprocess.run(
+        [sys.executable, "-c", _CROSS_CHECK, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+        env=env,
+        check=True,
+        timeout=900,
+    )
+    theirs = torch.load(tmp_path / "out.pt")
+    for (qtype, blocks, k, x), other in zip(cases, theirs, strict=True):
+        assert torch.equal(QuantLinear(blocks, qtype, k, None)(x), other), qtype

@@ -16,12 +16,30 @@ from .builder import (
     cache_dir,
     has_compiler,
 )
-from .ops import QUANT_BLOCK_BYTES, bf16_linear, decode_attention, pack_bf16_weight, quant_linear
+from .ops import (
+    ACT_GELU_TANH,
+    ACT_SILU,
+    QUANT_TYPES,
+    act_and_mul,
+    add_rms_norm,
+    bf16_linear,
+    decode_attention,
+    pack_bf16_weight,
+    quant_dequant_rows,
+    quant_linear,
+    quant_pack,
+    rms_norm,
+    rotary_cache,
+)
 
 __all__ = [
-    "QUANT_BLOCK_BYTES",
+    "ACT_GELU_TANH",
+    "ACT_SILU",
+    "QUANT_TYPES",
     "KernelBuildError",
     "NoCompilerError",
+    "act_and_mul",
+    "add_rms_norm",
     "available",
     "bf16_linear",
     "build",
@@ -29,5 +47,9 @@ __all__ = [
     "decode_attention",
     "has_compiler",
     "pack_bf16_weight",
+    "quant_dequant_rows",
     "quant_linear",
+    "quant_pack",
+    "rms_norm",
+    "rotary_cache",
 ]

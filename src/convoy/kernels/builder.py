@@ -207,13 +207,45 @@ def _compile(
             ) from exc
 
 
+ISA_ENV = "CONVOY_CPU_ISA"  # force an instruction set (a lower one, to test its code paths)
+_ISA_FLAGS = {
+    "avx512vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "generic": [],
+}  # fmt: skip
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
 def _arch_flags() -> tuple[str, list[str]]:
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        if forced not in _ISA_FLAGS:
+            raise KernelBuildError(f"{ISA_ENV}={forced!r}: expected one of {sorted(_ISA_FLAGS)}")
+        return forced, _ISA_FLAGS[forced]
     cap = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     if cap.startswith("AVX512"):
-        return "avx512", ["-mavx512f", "-mavx2", "-mfma", "-mf16c"]
+        if {"avx512_vnni", "avx512vl", "avx512bw"} <= _cpu_flags():
+            return "avx512vnni", _ISA_FLAGS["avx512vnni"]
+        return "avx512", _ISA_FLAGS["avx512"]
     if cap == "AVX2":
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+        return "avx2", _ISA_FLAGS["avx2"]
     return "generic", []
+
+
+def isa() -> str:
+    """The instruction set the kernels are (or would be) built for."""
+    return _arch_flags()[0]
 
 
 def _build_kernels() -> Path:

@@ -18,11 +18,23 @@ measured 5-8x faster than torch's bf16 and on par with oneDNN fp32 (106-136 GFLO
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from convoy import kernels
-from convoy.kernels.ops import QUANT_BLOCK_BYTES, quant_linear
+from convoy.kernels.ops import (
+    PANEL_ROWS,
+    QUANT_BLOCKS,
+    QUANT_KIND_Q4,
+    QUANT_KIND_Q8,
+    QUANT_KIND_Q8M,
+    QUANT_TYPES,
+    quant_dequant_rows,
+    quant_linear,
+    quant_pack,
+)
 
 # Batch-size hint for the reorder; measured on 576x3072: the chosen layout serves M=1..300 alike.
 _PACK_HINT = 64
@@ -127,35 +139,133 @@ def pack_linears(model: nn.Module, kind: str = "onednn") -> int:
 
 
 class QuantLinear(_PrepackedLinear):
-    """A GGUF block-quantized weight kept as its bytes (Q4_0, Q4_1, Q8_0), run by
-    `kernels.quant_linear` on fp32 activations (cast from and back to the input's dtype)."""
+    """GGUF block-quantized weights (the types of `QUANT_TYPES`), repacked once into the 8-row
+    panels of csrc/quant_linear.cpp (the GGUF blocks are not kept) and run on int8-quantized
+    activations; input cast to fp32 and the output back to the input's dtype.
+
+    `from_parts` joins several GGUF tensors as consecutive row ranges (a fused qkv or gate_up
+    projection), also of different types: they are packed into the one panel kind that holds all.
+    """
 
     def __init__(
         self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None
     ) -> None:
         nn.Module.__init__(self)
-        if qtype not in QUANT_BLOCK_BYTES or in_features % 32:
-            raise ValueError(f"unsupported quantized weight: type {qtype}, {in_features} inputs")
-        if blocks.shape[1] != in_features // 32 * QUANT_BLOCK_BYTES[qtype]:
-            raise ValueError(f"{blocks.shape[1]} bytes per row do not hold {in_features} weights")
-        self.in_features, self.out_features = in_features, blocks.shape[0]
-        self.qtype, self.kind = qtype, f"ggml type {qtype}"
-        self.packed = blocks.contiguous()
+        self._setup([(qtype, blocks)], in_features, bias)
+
+    @classmethod
+    def from_parts(
+        cls, parts: Sequence[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None
+    ) -> QuantLinear:
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(parts, in_features, bias)
+        return self
+
+    def _setup(
+        self, parts: Sequence[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None
+    ) -> None:
+        if not parts:
+            raise ValueError("no quantized weight")
+        for i, (qtype, blocks) in enumerate(parts):
+            if qtype not in QUANT_TYPES:
+                raise ValueError(f"unsupported quantized weight type {qtype}")
+            elems, nbytes = QUANT_BLOCKS[qtype]
+            if in_features % elems:
+                raise ValueError(f"type {qtype} needs in_features divisible by {elems}")
+            if blocks.dim() != 2 or blocks.shape[1] != in_features // elems * nbytes:
+                raise ValueError(f"{tuple(blocks.shape)} bytes do not hold rows of {in_features}")
+            if i < len(parts) - 1 and blocks.shape[0] % PANEL_ROWS:
+                raise ValueError(f"a joined part needs a multiple of {PANEL_ROWS} rows")
+        self.in_features = in_features
+        self.out_features = sum(int(b.shape[0]) for _, b in parts)
+        self.panel_kind = panel_kind([q for q, _ in parts])
+        self.qtypes = tuple(q for q, _ in parts)
+        self.kind = f"ggml types {'+'.join(map(str, self.qtypes))}, panels {self.panel_kind}"
+        packed = [quant_pack(b, q, self.panel_kind, in_features) for q, b in parts]
+        self.packed = packed[0] if len(packed) == 1 else torch.cat(packed)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x.float(), self.packed, self.qtype, self.bias).to(x.dtype)
+        y = quant_linear(x.float(), self.packed, self.panel_kind, self.out_features, self.bias)
+        return y.to(x.dtype)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows `ids` (T,) int64, dequantized: (T, in_features) fp32 (an embedding lookup
+        for a tied head)."""
+        return quant_dequant_rows(self.packed, self.panel_kind, self.in_features, ids)
 
 
-def use_quantized(model: nn.Module, weights: dict[str, tuple[int, torch.Tensor]]) -> int:
-    """Replace the `nn.Linear` named by each key with a QuantLinear of its blocks; returns how
+def panel_kind(qtypes: Sequence[int]) -> int:
+    """The panel kind that holds weights of all these GGUF types exactly."""
+    kinds = {QUANT_TYPES[q] for q in qtypes}
+    if kinds == {QUANT_KIND_Q4}:
+        return QUANT_KIND_Q4
+    if kinds & {QUANT_KIND_Q4, QUANT_KIND_Q8M}:
+        return QUANT_KIND_Q8M
+    return QUANT_KIND_Q8
+
+
+QuantParts = list[tuple[int, torch.Tensor]]  # (GGML type id, (rows, bytes) uint8 blocks), in order
+
+
+def use_quantized(model: nn.Module, weights: dict[str, QuantParts]) -> int:
+    """Replace the `nn.Linear` named by each key with a QuantLinear of its parts; returns how
     many were replaced (a tied lm_head stops sharing the embedding's weight)."""
     count = 0
-    for name, (qtype, blocks) in weights.items():
+    for name, parts in weights.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, attr)
-        if isinstance(old, nn.Linear) and blocks.shape[0] == old.out_features:
-            setattr(parent, attr, QuantLinear(blocks, qtype, old.in_features, old.bias))
+        rows = sum(int(b.shape[0]) for _, b in parts)
+        if isinstance(old, nn.Linear) and rows == old.out_features:
+            setattr(parent, attr, QuantLinear.from_parts(parts, old.in_features, old.bias))
+            count += 1
+    return count
+
+
+Q4_1, Q8_0 = 3, 8  # GGML type ids of the blocks bf16/fp32 weights are quantized into at load
+
+
+def quantize_blocks(weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """(N, K) float weight -> (N, K / 32 * block bytes) uint8 GGUF blocks of Q8_0 or Q4_1, as
+    llama.cpp's reference quantizers make them (Q8_0: scale amax / 127, round to nearest; Q4_1:
+    offset = the block's min, scale (max - min) / 15, q = floor((x - min) / scale + 0.5) <= 15)."""
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"in_features {k} is not a multiple of 32")
+    w = weight.detach().float().reshape(n, k // 32, 32)
+    if qtype == Q8_0:
+        d = w.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        qs = torch.round(w * inv).to(torch.int8).view(torch.uint8)
+    elif qtype == Q4_1:
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.floor((w - lo) * inv + 0.5).clamp(0, 15).to(torch.uint8)
+        offset = lo.to(torch.float16).view(torch.uint8)
+        qs = torch.cat([offset, q[..., :16] | (q[..., 16:] << 4)], dim=-1)
+    else:
+        raise ValueError(f"cannot quantize to type {qtype}")
+    scale = d.to(torch.float16).view(torch.uint8)  # (n, k / 32, 2)
+    return torch.cat([scale, qs], dim=-1).reshape(n, -1).contiguous()
+
+
+def quantize_linears(model: nn.Module, bits: int) -> int:
+    """Quantize every `nn.Linear` (in_features a multiple of 32) of a loaded model to Q8_0
+    (bits 8) or Q4_1 (bits 4; the lm_head in Q8_0, as llama.cpp keeps the output layer above 4
+    bits); returns how many were replaced."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, not {bits}")
+    count = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear) or child.in_features % 32:
+                continue
+            full = f"{name}.{child_name}" if name else child_name
+            qtype = Q8_0 if bits == 8 or full.endswith("lm_head") else Q4_1
+            blocks = quantize_blocks(child.weight, qtype)
+            setattr(module, child_name, QuantLinear(blocks, qtype, child.in_features, child.bias))
             count += 1
     return count

@@ -38,15 +38,92 @@ def bf16_linear(
     return torch.ops.convoy.bf16_linear(x, packed, bias, out_features)
 
 
-# GGML type ids of the block formats `quant_linear` runs, and their bytes per 32 weights.
-QUANT_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+# GGUF block types kept quantized (GGML type id -> the panel kind csrc/quant_linear.cpp packs it
+# into: 0 = 4-bit quants + scale + offset, 1 = int8 quants + two half-block scales, 2 = int8 quants
+# + two scales + offset) and their (weights, bytes) per GGUF block.
+QUANT_KIND_Q4, QUANT_KIND_Q8, QUANT_KIND_Q8M = 0, 1, 2
+QUANT_TYPES: dict[int, int] = {
+    2: QUANT_KIND_Q4,  # Q4_0
+    3: QUANT_KIND_Q4,  # Q4_1
+    6: QUANT_KIND_Q8,  # Q5_0
+    7: QUANT_KIND_Q8M,  # Q5_1
+    8: QUANT_KIND_Q8,  # Q8_0
+    12: QUANT_KIND_Q4,  # Q4_K
+    13: QUANT_KIND_Q8M,  # Q5_K
+    14: QUANT_KIND_Q8,  # Q6_K
+}
+QUANT_BLOCKS: dict[int, tuple[int, int]] = {
+    2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+    12: (256, 144), 13: (256, 176), 14: (256, 210),
+}  # fmt: skip
+PANEL_ROWS = 8  # weight rows per packed panel
+
+
+def quant_pack(blocks: torch.Tensor, qtype: int, kind: int, in_features: int) -> torch.Tensor:
+    """(N, row bytes) uint8 GGUF blocks of `qtype` -> (ceil(N / 8), ...) uint8 panels of `kind`."""
+    return torch.ops.convoy.quant_pack(blocks, qtype, kind, in_features)
 
 
 def quant_linear(
-    x: torch.Tensor, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None
+    x: torch.Tensor, packed: torch.Tensor, kind: int, out_features: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x (M, K) fp32 @ GGUF-quantized weight (N, K / 32 blocks as uint8 bytes) -> (M, N) fp32.
+    """x (M, K) fp32 @ packed panels (+ bias) -> (M, out_features) fp32.
 
-    Activations are quantized to int8 blocks of 32 inside (csrc/quant_linear.cpp), as llama.cpp.
+    Activations are quantized to int8 blocks of 32 inside, as llama.cpp does; every output element
+    is reduced in the same order whatever M is (batch invariant).
     """
-    return torch.ops.convoy.quant_linear(x, weight, qtype, bias)
+    return torch.ops.convoy.quant_linear(x, packed, kind, out_features, bias)
+
+
+def quant_dequant_rows(
+    packed: torch.Tensor, kind: int, in_features: int, ids: torch.Tensor
+) -> torch.Tensor:
+    """Rows `ids` (T,) int64 of a packed weight, dequantized: (T, in_features) fp32."""
+    return torch.ops.convoy.quant_dequant_rows(packed, kind, in_features, ids)
+
+
+# --- fused per-layer ops (csrc/fused_ops.cpp): fp32 or bf16 activations, rows split across threads
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """RMSNorm of x's last dim, a new contiguous tensor: x_hat * (offset + weight).
+
+    Sum of squares and x_hat in fp32. offset 0 (Llama): x_hat is rounded to x's dtype, then
+    multiplied by the weight; offset 1 (Gemma's 1 + w): scaled in fp32, rounded once.
+    """
+    return torch.ops.convoy.rms_norm(x, weight, eps, offset)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """`residual += x` (in place, in x's dtype), then returns `rms_norm(residual, ...)`."""
+    return torch.ops.convoy.add_rms_norm(x, residual, weight, eps, offset)
+
+
+def rotary_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotate-half rotary on q (T, H, D) and k (T, Hkv, D) in place (any strides but a contiguous
+    head dim), then write k and v into `k_cache`/`v_cache` (Hkv, num_slots, D) at `slot_mapping`
+    (T,) int64, converted to the cache's dtype (fp32, bf16 or fp16). cos/sin: (P, D / 2) fp32
+    tables indexed by `positions` (T,) int64. An empty k_cache: rotary only."""
+    torch.ops.convoy.rotary_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+ACT_SILU, ACT_GELU_TANH = 0, 1
+
+
+def act_and_mul(x: torch.Tensor, act: int) -> torch.Tensor:
+    """(..., 2I) gate|up -> (..., I): act(gate) * up; act ACT_SILU or ACT_GELU_TANH."""
+    return torch.ops.convoy.act_and_mul(x, act)

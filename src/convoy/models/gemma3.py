@@ -14,7 +14,7 @@ from torch import nn
 
 from convoy.config import ModelConfig
 from convoy.models.attention import AttentionMetadata
-from convoy.models.layers import CausalLM, RMSNorm, RotaryEmbedding
+from convoy.models.layers import CausalLM, RMSNorm, RotaryEmbedding, token_embedding
 from convoy.models.llama import LlamaAttention, LlamaMLP
 
 # Gemma 3 in llama.cpp: rope base of the sliding layers and the sliding/global layer pattern.
@@ -63,18 +63,24 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), positions, meta)
-        )
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaDecoderLayer: x = x + post_norm(attn(norm(x))); x = x + post_ff(mlp(pre_ff(x))),
+        each residual add fused into the norm after it."""
+        h, residual = self.input_layernorm.add_forward(delta, residual)
+        o = self.post_attention_layernorm(self.self_attn(h, positions, meta))
+        h, residual = self.pre_feedforward_layernorm.add_forward(o, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
         pos = cfg.max_position_embeddings
         # NOTE: rope scaling (larger Gemma 3 models) applies to the global layers only.
         ropes = {"global": RotaryEmbedding(cfg.head_dim, pos, cfg.rope_theta, cfg.rope_scaling)}

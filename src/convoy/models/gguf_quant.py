@@ -4,29 +4,32 @@
     blk.N.ffn_gate/up -> model.layers.N.mlp.gate_up_proj
     output (or the tied token_embd) -> lm_head
 
-A module is returned only when all its parts have one of the wanted block types; the rest stay
-dequantized. Rows are reordered with the family's own GGUF hook (llama's Q/K un-permutation is a
+A module is returned, as its parts in row order, only when all its parts have one of the wanted
+block types (they may differ: Gemma's q/k are Q5_0 and its v Q8_0); the rest stay dequantized. Rows are reordered with the family's own GGUF hook (llama's Q/K un-permutation is a
 row permutation), applied to row indices: a hook that does more than permute rows rules it out.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from convoy.models.gguf_convert import field, hf_tensor_name, read_gguf
+from convoy.models.gguf_convert import field, hf_tensor_name
+from convoy.models.gguf_index import read_gguf_index
 from convoy.models.registry import gguf_family
 
 QuantWeight = tuple[int, torch.Tensor]  # (GGML type id, (N, row bytes) uint8 blocks)
+QuantParts = list[QuantWeight]  # one module's GGUF tensors, in row order
 
 
-def quantized_linears(gguf_path: Path, model_dir: Path, types: set[int]) -> dict[str, QuantWeight]:
+def quantized_linears(gguf_path: Path, model_dir: Path, types: set[int]) -> dict[str, QuantParts]:
     """Module name -> its quantized weight, for every linear whose GGUF tensors all have a type
     in `types`. `model_dir` is the converted folder (its config.json gives the head counts)."""
-    reader = read_gguf(gguf_path)
+    reader = read_gguf_index(gguf_path)  # tensors and scalars only: no vocabulary arrays
     arch = field(reader, "general.architecture")
     family = gguf_family(arch)
     assert family is not None, arch
@@ -48,7 +51,7 @@ def quantized_linears(gguf_path: Path, model_dir: Path, types: set[int]) -> dict
         if qtype in types:
             rows = _row_order(family, arch, name, int(t.data.shape[0]), cfg)
             if rows is not None:
-                blocks = torch.from_numpy(np.ascontiguousarray(t.data[rows.numpy()]))
+                blocks = _rows(t.data, rows)
         parts.setdefault(key, {})[shard] = None if blocks is None else (qtype, blocks)
     return {key: w for key, shards in parts.items() if (w := _joined(shards)) is not None}
 
@@ -64,9 +67,17 @@ def _row_order(family: type, arch: str, name: str, n: int, cfg: dict) -> torch.T
     return order
 
 
-def _joined(shards: dict[int, QuantWeight | None]) -> QuantWeight | None:
+def _rows(data: np.ndarray, order: torch.Tensor) -> torch.Tensor:
+    """The blocks in `order`: a view of the mapped file when the order is the file's (QuantLinear
+    only reads them while repacking), else a reordered copy."""
+    if torch.equal(order, torch.arange(len(order))):
+        with warnings.catch_warnings():  # read-only memory map: nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(data)
+    return torch.from_numpy(np.ascontiguousarray(data[order.numpy()]))
+
+
+def _joined(shards: dict[int, QuantWeight | None]) -> QuantParts | None:
     ordered = [shards.get(i) for i in range(len(shards))]
-    if any(s is None for s in ordered) or len({s[0] for s in ordered if s}) != 1:
-        return None
-    qtype = ordered[0][0]  # type: ignore[index]
-    return qtype, torch.cat([s[1] for s in ordered if s is not None])
+    parts = [s for s in ordered if s is not None]
+    return parts if len(parts) == len(ordered) else None

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from convoy import kernels
 from convoy.config import ModelConfig
 from convoy.models.attention import AttentionMetadata
 
@@ -52,11 +53,23 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """(T,) token ids of all sequences, flat -> (T, hidden) final hidden states."""
-        x = self.embed(input_ids)
+        """(T,) token ids of all sequences, flat -> (T, hidden) final hidden states.
+
+        The residual stream is carried between layers with each sublayer's output still to add
+        (`delta`): the next norm adds it (`RMSNorm.add_forward`), in one kernel call when native.
+        """
+        residual = self.embed(input_ids)
+        delta: torch.Tensor | None = None
         for layer in self.model.layers:
-            x = layer(x, positions, attn_metadata)
-        return self.model.norm(x)
+            delta, residual = layer(delta, residual, positions, attn_metadata)
+        return self.model.norm.add_forward(delta, residual)[0]
+
+    def use_native_kernels(self, on: bool) -> None:
+        """Run norms, rotary + cache writes and gated activations by convoy.kernels (CPU, fp32 or
+        bf16 activations; the caller checked `kernels.available()`), or by torch ops."""
+        for module in self.modules():
+            if isinstance(getattr(type(module), "native", None), bool):
+                module.native = on  # type: ignore[assignment]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) rows that sample -> (N, vocab) fp32 logits."""
@@ -74,6 +87,60 @@ class CausalLM(nn.Module):
         return w
 
 
+def token_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """The decoder's `embed_tokens`, left uninitialised: the loader builds the model on the meta
+    device and fills it (or replaces it by a `QuantEmbedding`). NOTE: nn.Embedding's own random
+    init on the meta device runs torch._refs.normal_, which imports torch._dynamo and sympy (818
+    modules, +68 MB of RSS, measured) for nothing."""
+    return nn.Embedding(
+        num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim)
+    )
+
+
+class QuantizedRows(Protocol):
+    """A quantized weight that dequantizes rows on demand (kernels.linear.QuantLinear)."""
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding whose table stays quantized: each step dequantizes only its tokens' rows.
+
+    `rows` is a QuantLinear: the tied lm_head's own (`is_tied`: referred to, not registered here,
+    so the module keeps its one name `lm_head` and the table is held once, in its blocks) or the
+    embedding's own. Rows come out fp32 and are cast to `dtype`, as the dequantized embedding of
+    that dtype gives them.
+    """
+
+    def __init__(
+        self,
+        rows: nn.Module,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype,
+        is_tied: bool,
+    ) -> None:
+        super().__init__()
+        if not callable(getattr(rows, "dequantize_rows", None)):
+            raise TypeError(f"{type(rows).__name__} cannot dequantize rows")
+        if is_tied:
+            object.__setattr__(self, "rows", rows)  # NOTE: not a submodule: lm_head owns it
+        else:
+            self.rows = rows
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.is_tied = is_tied
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows: QuantizedRows = self.rows  # type: ignore[assignment]
+        x = rows.dequantize_rows(input_ids.reshape(-1).long())
+        return x.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, quantized" + (
+            ", rows of lm_head" if self.is_tied else ""
+        )
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32. Gemma stores the scale as an offset from one: y = x_hat * (1 + w)."""
 
@@ -83,7 +150,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
+    native = False  # csrc kernel (CausalLM.use_native_kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dtype == self.weight.dtype:
+            return kernels.rms_norm(x, self.weight, self.eps, self.offset)
+        return self._forward_torch(x)
+
+    def add_forward(
+        self, x: torch.Tensor | None, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); x None: nothing to add. Native: one kernel call
+        that updates `residual` in place (the caller owns it: the embedding output, then this)."""
+        if x is None:
+            return self(residual), residual
+        if self.native and x.dtype == residual.dtype == self.weight.dtype:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps, self.offset), residual
+        residual = residual + x
+        return self._forward_torch(residual), residual
+
+    def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -159,6 +245,15 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> t
         is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(is_mid, mid, scaled)
     raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+def native_activation(name: str) -> int | None:
+    """The act id of `kernels.act_and_mul` for an activation name, None where it has none."""
+    if name in ("silu", "swish"):
+        return kernels.ACT_SILU
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return kernels.ACT_GELU_TANH
+    return None
 
 
 def activation(name: str) -> Any:

@@ -13,12 +13,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from convoy import kernels
 from convoy.config import ModelConfig
 from convoy.models.attention import Attention, AttentionMetadata
-from convoy.models.layers import CausalLM, RMSNorm, RotaryEmbedding, activation
+from convoy.models.layers import (
+    CausalLM,
+    RMSNorm,
+    RotaryEmbedding,
+    activation,
+    native_activation,
+    token_embedding,
+)
 
 
 class LlamaAttention(nn.Module):
+    native = False  # rotary + cache write by one csrc kernel (CausalLM.use_native_kernels)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -47,20 +57,34 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v, meta)
+        if self.native:  # q, k rotated in place; k, v written to the cache
+            attn, rotary = self.attn, self.rotary
+            kernels.rotary_cache(
+                q, k, v, positions, rotary.cos, rotary.sin, attn.k_cache, attn.v_cache,
+                meta.slot_mapping,
+            )  # fmt: skip
+            o = attn(q, k, v, meta, cache_written=True)
+        else:
+            q, k = self.rotary(positions, q, k)
+            o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
+    native = False  # act(gate) * up by one csrc kernel, where it has the activation
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = activation(cfg.hidden_act)
+        self.act_id = native_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native and self.act_id is not None:
+            return self.down_proj(kernels.act_and_mul(gate_up, self.act_id))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -73,16 +97,25 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous sublayer's output still to add, residual) -> this layer's (delta, residual):
+        x = x + attn(norm(x)); x = x + mlp(norm(x)), each add fused into the norm after it."""
+        h, residual = self.input_layernorm.add_forward(delta, residual)
+        h, residual = self.post_attention_layernorm.add_forward(
+            self.self_attn(h, positions, meta), residual
+        )
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )

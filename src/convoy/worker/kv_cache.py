@@ -20,6 +20,14 @@ class KVCache:
         return self.k[idx], self.v[idx]
 
 
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """CacheConfig.kv_cache_dtype -> the cache's dtype; "auto" is the model's."""
+    return model_dtype if name == "auto" else _KV_DTYPES[name]
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V of every layer for block_size tokens."""
     itemsize = torch.empty((), dtype=dtype).element_size()

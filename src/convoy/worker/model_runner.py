@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from convoy.models.attention import Attention, AttentionMetadata, PrefillSeq
+from convoy.models.layers import CausalLM
 from convoy.worker.batch import ScheduledSeq
 from convoy.worker.kv_cache import KVCache
 
@@ -27,7 +28,11 @@ class ModelRunner:
         native_decode: bool = False,
     ) -> None:
         self.model = model
-        self.native_decode = native_decode  # decode attention by the csrc kernel (CPU)
+        # the csrc kernels (CPU): decode attention, and norms / rotary + cache writes / gated
+        # activations in the model
+        self.native_decode = native_decode
+        if isinstance(model, CausalLM):
+            model.use_native_kernels(native_decode)
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
@@ -51,7 +56,8 @@ class ModelRunner:
             if s.need_logits:
                 rows.append(offset + n - 1)
             offset += n
-        logits = self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+        sampling = hidden if len(rows) == offset else hidden[rows]  # all decode: every row
+        logits = self.model.compute_logits(sampling)  # type: ignore[operator]
         prompt_logits = [
             None if span is None else self.model.compute_logits(hidden[span[0] : span[1]])  # type: ignore[operator]
             for span in prompt_spans

@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from convoy import kernels
-from convoy.config import EngineConfig
-from convoy.kernels.linear import linear_packing, pack_linears, use_quantized
-from convoy.kernels.ops import QUANT_BLOCK_BYTES
-from convoy.models.gguf_quant import quantized_linears
+from convoy.config import ConfigError, EngineConfig
+from convoy.kernels.linear import QuantLinear, linear_packing, pack_linears, quantize_linears
+from convoy.kernels.ops import QUANT_TYPES as KERNEL_QUANT_TYPES
 from convoy.models.layers import CausalLM
 from convoy.models.loader import load_model, resolve_model
 from convoy.worker.batch import ModelRunnerOutput, ScheduledSeq
-from convoy.worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from convoy.worker.kv_cache import allocate_kv_cache, num_blocks_for_budget, resolve_kv_dtype
 from convoy.worker.model_runner import ModelRunner
 from convoy.worker.sampler import prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
-QUANT_TYPES = set(QUANT_BLOCK_BYTES)  # GGUF block types kept quantized with keep_gguf_quantized
+QUANT_TYPES = set(KERNEL_QUANT_TYPES)  # GGUF block types kept quantized (quantization gguf)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,6 +42,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
+def resolve_quantization(config: EngineConfig, weights: Path, device: torch.device) -> str | None:
+    """Which quantized mode the linears run in: "gguf", "int8", "int4" or None (dequantized).
+
+    The kernels are CPU ones: elsewhere, or without them (no compiler), weights are dequantized
+    with one warning when the mode was asked for explicitly.
+    """
+    mode = config.quantization
+    if mode == "auto":
+        mode = "gguf" if weights.suffix == ".gguf" and config.dtype == "auto" else "none"
+        explicit = False
+    else:
+        explicit = True
+    if mode == "none":
+        return None
+    if mode == "gguf" and weights.suffix != ".gguf":
+        raise ConfigError(f"quantization 'gguf' needs a .gguf model file, not {weights}")
+    if device.type != "cpu":
+        if explicit:
+            logger.warning("quantization %r runs on the CPU only: weights dequantized", mode)
+        return None
+    if not kernels.available():
+        logger.warning("quantized weights need the CPU kernels (see above): weights dequantized")
+        return None
+    return mode
+
+
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         resolved = resolve_model(config.model)
@@ -50,23 +76,32 @@ class Worker:
         self.model_dir = resolved.model_dir
         self.model_config = resolved.config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(resolved, self.dtype, self.device)
+        self.quantization = resolve_quantization(config, self.model_path, self.device)
+        # Quantized weights take fp32 activations: "auto" means fp32 around them.
+        auto_fp32 = self.quantization is not None and config.dtype == "auto"
+        self.dtype = torch.float32 if auto_fp32 else resolve_dtype(config.dtype, self.device)
+        # gguf: the linears (and embedding) of these GGUF block types are built from their
+        # blocks; their dequantized weights are never materialised.
+        quant_types = QUANT_TYPES if self.quantization == "gguf" else None
+        self.model = load_model(resolved, self.dtype, self.device, quant_types)
+        if self.quantization in ("int8", "int4"):
+            quantize_linears(self.model, 8 if self.quantization == "int8" else 4)
         self.model_family: type[CausalLM] = type(self.model)
-        self.quantized_linears = 0
-        if config.keep_gguf_quantized and self._can_quantize():
-            weights = quantized_linears(resolved.weights_path, resolved.model_dir, QUANT_TYPES)
-            self.quantized_linears = use_quantized(self.model, weights)
+        self.quantized_linears = sum(isinstance(m, QuantLinear) for m in self.model.modules())
         self.packed_linears = 0
         packing = linear_packing(self.device, self.dtype) if config.prepack_linears else None
         if packing is not None:
             self.packed_linears = pack_linears(self.model, packing)
         cache = config.cache
+        kv_name = cache.kv_cache_dtype
+        if kv_name == "auto" and self.quantization is not None:
+            kv_name = "float16"  # 16-bit K/V beside quantized weights, as llama.cpp keeps them
+        self.kv_dtype = resolve_kv_dtype(kv_name, self.dtype)
         self.num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
-            resolved.config, cache.kv_cache_memory, cache.block_size, self.dtype
+            resolved.config, cache.kv_cache_memory, cache.block_size, self.kv_dtype
         )
         kv = allocate_kv_cache(
-            resolved.config, self.num_blocks, cache.block_size, self.dtype, self.device
+            resolved.config, self.num_blocks, cache.block_size, self.kv_dtype, self.device
         )
         self.native_decode = (
             config.cpu_kernels
@@ -82,15 +117,6 @@ class Worker:
             self.num_blocks, cache.block_size, self.quantized_linears, self.packed_linears,
             self.native_decode,
         )  # fmt: skip
-
-    def _can_quantize(self) -> bool:
-        """GGUF blocks run on the CPU by the compiled kernels; else the weights stay dequantized."""
-        if self.model_path.suffix != ".gguf" or self.device.type != "cpu":
-            return False
-        if not kernels.available():
-            logger.warning("keep_gguf_quantized: CPU kernels unavailable, weights dequantized")
-            return False
-        return True
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:

@@ -1,18 +1,28 @@
-// Linear layers on GGUF-quantized weights kept in their blocks (Q4_0, Q4_1, Q8_0), as llama.cpp
-// runs them: activations are quantized to int8 blocks of 32 (one fp32 scale per block, plus the
-// scaled sum for the formats with an offset), and each weight block meets its activation block in
-// an int8 dot product (AVX2 maddubs: u8 x s8 pairs summed to int16, then to int32).
+// Linear layers on GGUF-quantized weights, kept quantized: repacked once at load into 8-row panels
+// and run with int8 dot products, as llama.cpp and its faster fork do on AVX2.
 //
-//   Q4_0 block (18 B): fp16 d, 16 B of nibbles      w[j] = d * (q[j] - 8)
-//   Q4_1 block (20 B): fp16 d, fp16 m, 16 B          w[j] = d * q[j] + m
-//   Q8_0 block (34 B): fp16 d, 32 x int8             w[j] = d * q[j]
-//   nibbles: byte i holds weight i (low 4 bits) and weight i + 16 (high 4 bits)
+// Repack (quant_pack). Every GGUF block type is decoded into one of three panel kinds, 32 weights a
+// block, w[j] = d[j / 16] * q[j] + m (one scale for Q4, two for the 16-weight halves in Q8):
+//   kQ4  (Q4_0, Q4_1, Q4_K):          4-bit q 0..15,     fp16 d, fp16 m          160 B / 8x32
+//   kQ8  (Q8_0, Q5_0, Q6_K):          int8 q,            fp16 d0, d1 (m = 0)     288 B / 8x32
+//   kQ8M (Q5_1, Q5_K, or mixed):      int8 q,            fp16 d0, d1, fp16 m     304 B / 8x32
+// A panel holds 8 weight rows: for each 32-block, the quants of 8 rows interleaved so that one
+// 32-byte load gives 4 consecutive quants of each row in its own 32-bit lane, then the 8 rows'
+// scales (and offsets). Q4: load j (0..3) holds q[4j..4j+3] in its low nibbles and q[16+4j..] in
+// its high ones; Q8: load k (0..7) holds q[4k..4k+3]. K-quant sub-block scales are multiplied out
+// into fp16 (relative rounding <= 2^-11, far below the 4-6 bit quantization step).
 //
-//   sum_j w[j] x[j] ~= d_w d_x sum_j q[j] qx[j]  (+ m_w s_x for Q4_1, - 8 d_w s_x for Q4_0)
-//   with x[j] ~= d_x qx[j] and s_x = d_x sum_j qx[j]
-//
-// NOTE: batch invariance. Every output element (m, n) sums its K/32 blocks in order into the same
-// 8-lane accumulator whatever M is; rows are split across threads, never the reduction.
+// Run (quant_linear). Activations are quantized per row to int8 blocks of 32 (scale amax / 127,
+// rounded to nearest even), and one weight panel block meets one activation block as 8 exact
+// integer dot products (one per weight row, one per 32-bit lane: AVX2 maddubs + madd, or AVX512-VNNI
+// dpbusd), then each output element accumulates in fp32, block after block, in a fixed order:
+//   acc = fma(d0 * dx, dot(q[0..15]), acc); acc = fma(d1 * dx, dot(q[16..31]), acc)   (kQ8, kQ8M)
+//   acc = fma(d * dx, dot(q[0..31]), acc)                                              (kQ4)
+//   acc = fma(m, dx * sum(qx), acc)                                                    (kQ4, kQ8M)
+// NOTE: batch invariance. The integer dots are exact and the float steps are the same on every
+// path (scalar, AVX2, VNNI) and for any batch size, tile or thread split: threads split weight
+// panels and activation rows, never the reduction. An output element is bitwise the same whatever
+// else is in the batch, and the same on every x86 host.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,191 +41,527 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CONVOY_AVX2 1
+#endif
+#if defined(CONVOY_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CONVOY_VNNI 1
 #endif
 
 namespace {
 
-constexpr int64_t QK = 32;
-// GGML type ids (gguf.GGMLQuantizationType)
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t QK = 32;  // weights per block
+constexpr int64_t R = 8;    // weight rows per panel
 constexpr int64_t kTileM = 64;  // activation rows per tile: their int8 blocks stay in L2
-constexpr int64_t kGroupM = 4;  // activation rows sharing one unpacked weight block
+constexpr int64_t kMR = 4;      // activation rows per register tile
 
-struct BlockQ8 {  // one activation block
-  float d;        // scale
-  float s;        // d * sum(q)
-  int8_t q[QK];
+enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kQ8M = 2 };
+
+// GGML type ids (gguf.GGMLQuantizationType)
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
+                  Q6_K = 14;
+
+struct TypeInfo {
+  int64_t elems, bytes;  // per GGUF block
 };
 
-int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ8_0: return 34;
-    default: TORCH_CHECK(false, "unsupported quantized type ", qtype);
+TypeInfo type_info(int64_t t) {
+  switch (t) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+    default: TORCH_CHECK(false, "unsupported quantized type ", t);
+  }
+}
+
+int64_t kind_block_bytes(int64_t kind) {
+  switch (kind) {
+    case kQ4: return 4 * 32 + 2 * 16;
+    case kQ8: return 8 * 32 + 2 * 16;
+    case kQ8M: return 8 * 32 + 3 * 16;
+    default: TORCH_CHECK(false, "unknown panel kind ", kind);
   }
 }
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
   return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
 }
 
-void quantize_row(const float* x, BlockQ8* out, int64_t num_blocks) {
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* v = x + b * QK;
-    float amax = 0.f;
-    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float d = amax / 127.f;
-    const float id = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    for (int j = 0; j < QK; ++j) {
-      const int q = static_cast<int>(std::nearbyint(v[j] * id));
-      out[b].q[j] = static_cast<int8_t>(q);
-      sum += q;
-    }
-    out[b].d = d;
-    out[b].s = d * static_cast<float>(sum);
-  }
+inline uint16_t float_to_half(float f) {
+  TORCH_CHECK(std::isfinite(f) && std::fabs(f) < 65504.f, "quantized scale out of fp16 range");
+  return c10::detail::fp16_ieee_from_fp32_value(f);
 }
 
-// One weight block, decoded once and used against up to kGroupM activation rows.
-struct WeightBlock {
-  float d = 0.f, m = 0.f;  // scale; offset (Q4_1) or -8 d (Q4_0) applied to s_x
-  bool is_signed = false;  // Q8_0: signed weights
-#ifdef CONVOY_AVX2
-  __m256i q;
-#else
-  int8_t q[QK];  // Q4: 0..15, Q8: -128..127
-#endif
+// ---------------------------------------------------------------------------------------------
+// Decoding GGUF blocks (layouts as ggml-common.h): 32 weights w[j] = d[j / 16] * q[j] + m.
+
+struct Decoded {
+  int q[QK];
+  float d0, d1, m;
 };
 
-inline void load_block(const uint8_t* p, int64_t qtype, WeightBlock& w) {
-  w.d = half_to_float(p);
-  const uint8_t* qs = p + 2;
-  if (qtype == kQ4_1) {
-    w.m = half_to_float(p + 2);
-    qs = p + 4;
+// K-quant 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes
+inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
   } else {
-    w.m = qtype == kQ4_0 ? -8.f * w.d : 0.f;
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
-  w.is_signed = qtype == kQ8_0;
-#ifdef CONVOY_AVX2
-  if (w.is_signed) {
-    w.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-  } else {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-    w.q = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-  }
-#else
-  if (w.is_signed) {
-    std::memcpy(w.q, qs, QK);
-  } else {
-    for (int j = 0; j < 16; ++j) {
-      w.q[j] = static_cast<int8_t>(qs[j] & 0x0F);
-      w.q[j + 16] = static_cast<int8_t>(qs[j] >> 4);
+}
+
+void decode(int64_t t, const uint8_t* row, int64_t b, Decoded& o) {
+  o.m = 0.f;
+  switch (t) {
+    case Q4_0:
+    case Q4_1: {
+      const uint8_t* p = row + b * (t == Q4_0 ? 18 : 20);
+      const float d = half_to_float(p);
+      o.d0 = o.d1 = d;
+      o.m = t == Q4_0 ? -8.f * d : half_to_float(p + 2);
+      const uint8_t* qs = p + (t == Q4_0 ? 2 : 4);
+      for (int j = 0; j < 16; ++j) {
+        o.q[j] = qs[j] & 0x0F;
+        o.q[j + 16] = qs[j] >> 4;
+      }
+      return;
     }
+    case Q5_0:
+    case Q5_1: {
+      const uint8_t* p = row + b * (t == Q5_0 ? 22 : 24);
+      o.d0 = o.d1 = half_to_float(p);
+      const uint8_t* qhp = p + (t == Q5_0 ? 2 : 4);
+      uint32_t qh;
+      std::memcpy(&qh, qhp, 4);
+      const uint8_t* qs = qhp + 4;
+      for (int j = 0; j < 16; ++j) {
+        o.q[j] = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+        o.q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      }
+      if (t == Q5_0) {
+        for (int j = 0; j < QK; ++j) o.q[j] -= 16;
+      } else {
+        o.m = half_to_float(p + 2);
+      }
+      return;
+    }
+    case Q8_0: {
+      const uint8_t* p = row + b * 34;
+      o.d0 = o.d1 = half_to_float(p);
+      for (int j = 0; j < QK; ++j) o.q[j] = static_cast<int8_t>(p[2 + j]);
+      return;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const int64_t sb = b / 8;
+      const int s = static_cast<int>(b % 8);
+      const uint8_t* p = row + sb * (t == Q4_K ? 144 : 176);
+      const float d = half_to_float(p), dmin = half_to_float(p + 2);
+      int sc, mn;
+      scale_min_k4(s, p + 4, sc, mn);
+      o.d0 = o.d1 = d * static_cast<float>(sc);
+      o.m = -dmin * static_cast<float>(mn);
+      const uint8_t* qh = p + 16;  // Q5_K only
+      const uint8_t* qs = p + (t == Q4_K ? 16 : 48) + 32 * (s / 2);
+      for (int j = 0; j < QK; ++j) {
+        int q = (s % 2 == 0) ? (qs[j] & 0x0F) : (qs[j] >> 4);
+        if (t == Q5_K) q += ((qh[j] >> s) & 1) << 4;
+        o.q[j] = q;
+      }
+      return;
+    }
+    case Q6_K: {
+      const int64_t sb = b / 8;
+      const int s = static_cast<int>(b % 8), n = s / 4, c = s % 4;
+      const uint8_t* p = row + sb * 210;
+      const uint8_t* ql = p + 64 * n + (c % 2 == 1 ? 32 : 0);
+      const uint8_t* qh = p + 128 + 32 * n;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 8 * n + 2 * c;
+      const float d = half_to_float(p + 208);
+      o.d0 = d * static_cast<float>(sc[0]);
+      o.d1 = d * static_cast<float>(sc[1]);
+      for (int l = 0; l < QK; ++l) {
+        const int lo = c < 2 ? (ql[l] & 0x0F) : (ql[l] >> 4);
+        o.q[l] = (lo | (((qh[l] >> (2 * c)) & 3) << 4)) - 32;
+      }
+      return;
+    }
+    default: TORCH_CHECK(false, "unsupported quantized type ", t);
   }
-#endif
 }
 
-#ifdef CONVOY_AVX2
-// acc += d * (q_w . q_x) as 8 fp32 lanes
-inline __m256 dot_block(const WeightBlock& w, const BlockQ8& x, __m256 acc) {
-  const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q));
-  __m256i p16;
-  if (w.is_signed) {  // maddubs wants u8 x s8: move the weight's sign onto the activation
-    p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w.q, w.q), _mm256_sign_epi8(xq, w.q));
-  } else {
-    p16 = _mm256_maddubs_epi16(w.q, xq);
-  }
-  const __m256i p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-  return _mm256_fmadd_ps(_mm256_set1_ps(w.d * x.d), _mm256_cvtepi32_ps(p32), acc);
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-// out[m, n] for m in [m0, m1) and n in [n0, n1)
-void tile(const uint8_t* w, int64_t row_bytes, int64_t qtype, int64_t num_blocks,
-          const BlockQ8* xq, float* out, int64_t N, int64_t m0, int64_t m1, int64_t n0,
-          int64_t n1) {
-  const int64_t bb = block_bytes(qtype);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    for (int64_t mg = m0; mg < m1; mg += kGroupM) {
-      const int64_t g = std::min(kGroupM, m1 - mg);
-      float offset[kGroupM] = {0.f, 0.f, 0.f, 0.f};
-#ifdef CONVOY_AVX2
-      __m256 acc[kGroupM] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                             _mm256_setzero_ps()};
-#else
-      float acc[kGroupM] = {0.f, 0.f, 0.f, 0.f};
-#endif
-      WeightBlock wb;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        load_block(row + b * bb, qtype, wb);
-        for (int64_t i = 0; i < g; ++i) {
-          const BlockQ8& x = xq[(mg + i) * num_blocks + b];
-#ifdef CONVOY_AVX2
-          acc[i] = dot_block(wb, x, acc[i]);
-#else
-          int32_t dot = 0;
-          for (int j = 0; j < QK; ++j) dot += int32_t(wb.q[j]) * int32_t(x.q[j]);
-          acc[i] += wb.d * x.d * static_cast<float>(dot);
-#endif
-          offset[i] += wb.m * x.s;
+// Decoded blocks of 8 rows (rows past N are zero) -> one panel block.
+void pack_block(const Decoded* rows, int64_t kind, uint8_t* out) {
+  uint16_t* scales;
+  if (kind == kQ4) {
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < 4; ++t) {
+          const int lo = rows[r].q[4 * j + t], hi = rows[r].q[16 + 4 * j + t];
+          TORCH_CHECK(lo >= 0 && lo < 16 && hi >= 0 && hi < 16, "4-bit panel: quant out of range");
+          out[32 * j + 4 * r + t] = static_cast<uint8_t>(lo | (hi << 4));
         }
+    scales = reinterpret_cast<uint16_t*>(out + 128);
+    for (int r = 0; r < R; ++r) {
+      TORCH_CHECK(rows[r].d0 == rows[r].d1, "4-bit panel: one scale per block");
+      scales[r] = float_to_half(rows[r].d0);
+      scales[R + r] = float_to_half(rows[r].m);
+    }
+    return;
+  }
+  for (int k = 0; k < 8; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < 4; ++t) {
+        const int q = rows[r].q[4 * k + t];
+        TORCH_CHECK(q >= -128 && q < 128, "8-bit panel: quant out of range");
+        out[32 * k + 4 * r + t] = static_cast<uint8_t>(static_cast<int8_t>(q));
       }
-      for (int64_t i = 0; i < g; ++i) {
-#ifdef CONVOY_AVX2
-        out[(mg + i) * N + n] = hsum(acc[i]) + offset[i];
-#else
-        out[(mg + i) * N + n] = acc[i] + offset[i];
-#endif
-      }
+  scales = reinterpret_cast<uint16_t*>(out + 256);
+  for (int r = 0; r < R; ++r) {
+    scales[r] = float_to_half(rows[r].d0);
+    scales[R + r] = float_to_half(rows[r].d1);
+    if (kind == kQ8M) {
+      scales[2 * R + r] = float_to_half(rows[r].m);
+    } else {
+      TORCH_CHECK(rows[r].m == 0.f, "8-bit panel without offsets: the type has one");
     }
   }
 }
 
-// x (M, K) fp32 @ w (N, K/32 blocks) -> (M, N) fp32 (+ bias)
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+// (N, row bytes) GGUF blocks of type qtype -> (ceil(N / 8), K / 32 * panel block bytes) panels
+at::Tensor quant_pack(const at::Tensor& blocks, int64_t qtype, int64_t kind, int64_t K) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte, "blocks: (N, bytes) uint8");
+  const TypeInfo ti = type_info(qtype);
+  TORCH_CHECK(K > 0 && K % ti.elems == 0, "K must be a multiple of ", ti.elems);
+  TORCH_CHECK(blocks.size(1) == K / ti.elems * ti.bytes, "row size does not match K");
+  const at::Tensor src = blocks.contiguous();
+  const int64_t N = src.size(0), nb = K / QK, G = (N + R - 1) / R, bsz = kind_block_bytes(kind);
+  at::Tensor out = at::empty({G, nb * bsz}, src.options());
+  const uint8_t* sp = src.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const int64_t row_bytes = src.size(1);
+  at::parallel_for(0, G, 8, [&](int64_t g0, int64_t g1) {
+    Decoded rows[R];
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t n = g * R + r;
+          if (n < N) {
+            decode(qtype, sp + n * row_bytes, b, rows[r]);
+          } else {
+            std::memset(&rows[r], 0, sizeof(Decoded));
+          }
+        }
+        pack_block(rows, kind, op + (g * nb + b) * bsz);
+      }
+  });
+  return out;
+}
+
+inline void panel_scales(const uint8_t* blk, int64_t kind, int r, float& d0, float& d1, float& m) {
+  const int64_t off = kind == kQ4 ? 128 : 256;
+  d0 = half_to_float(blk + off + 2 * r);
+  if (kind == kQ4) {
+    d1 = d0;
+    m = half_to_float(blk + off + 2 * (R + r));
+  } else {
+    d1 = half_to_float(blk + off + 2 * (R + r));
+    m = kind == kQ8M ? half_to_float(blk + off + 2 * (2 * R + r)) : 0.f;
+  }
+}
+
+inline int panel_quant(const uint8_t* blk, int64_t kind, int r, int j) {
+  if (kind == kQ4) {
+    const int hi = j >= 16, jj = j % 16;
+    const uint8_t byte = blk[32 * (jj / 4) + 4 * r + jj % 4];
+    return hi ? byte >> 4 : byte & 0x0F;
+  }
+  return static_cast<int8_t>(blk[32 * (j / 4) + 4 * r + j % 4]);
+}
+
+// rows ids of the packed weight, dequantized: (T, K) fp32, w = d * q + m
+at::Tensor quant_dequant_rows(const at::Tensor& packed, int64_t kind, int64_t K,
+                              const at::Tensor& ids) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "packed: uint8 panels");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: (T,) int64");
+  const int64_t nb = K / QK, bsz = kind_block_bytes(kind);
+  TORCH_CHECK(K % QK == 0 && packed.size(1) == nb * bsz, "packed size does not match K");
+  const at::Tensor pc = packed.contiguous(), ic = ids.contiguous();
+  const int64_t T = ic.size(0), rows = pc.size(0) * R;
+  at::Tensor out = at::empty({T, K}, pc.options().dtype(at::kFloat));
+  const uint8_t* pp = pc.data_ptr<uint8_t>();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, "row id out of range");
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = ip[t] / R;
+      const int r = static_cast<int>(ip[t] % R);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = pp + (g * nb + b) * bsz;
+        float d0, d1, m;
+        panel_scales(blk, kind, r, d0, d1, m);
+        for (int j = 0; j < QK; ++j)
+          op[t * K + b * QK + j] = (j < 16 ? d0 : d1) * panel_quant(blk, kind, r, j) + m;
+      }
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activations: int8 blocks of 32, x[j] ~= d * q[j]
+
+struct ActBlock {
+  int8_t q[QK];
+  float d;         // scale
+  float s;         // d * sum(q)
+  int32_t sa, sb;  // sum(q[0..15]), sum(q[16..31])
+};
+
+void quantize_row(const float* x, ActBlock* out, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* v = x + b * QK;
+    ActBlock& o = out[b];
+#ifdef CONVOY_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int j = 0; j < QK; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+#else
+    float amax = 0.f;
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
+#endif
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+#ifdef CONVOY_AVX2
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i qi[4];
+    for (int j = 0; j < 4; ++j)
+      qi[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), vid),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i p16 = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+    __m256i p8 = _mm256_packs_epi16(p16, p16b);  // lanes shuffled by the packs: put them back
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q), p8);
+    int sa = 0, sb = 0;
+    for (int j = 0; j < 16; ++j) sa += o.q[j];
+    for (int j = 16; j < QK; ++j) sb += o.q[j];
+#else
+    int sa = 0, sb = 0;
+    for (int j = 0; j < QK; ++j) {
+      const int q = static_cast<int>(std::nearbyint(v[j] * id));
+      o.q[j] = static_cast<int8_t>(q);
+      (j < 16 ? sa : sb) += q;
+    }
+#endif
+    o.d = d;
+    o.sa = sa;
+    o.sb = sb;
+    o.s = d * static_cast<float>(sa + sb);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One weight panel (8 rows) x MR activation rows -> MR x 8 outputs, over all nb blocks.
+
+#ifdef CONVOY_AVX2
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int MR>
+void panel_q4(const uint8_t* wg, int64_t nb, const ActBlock* const* x, __m256* acc) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#ifndef CONVOY_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wg + b * 160;
+    __m256i isum[MR];
+    for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
+      const __m256i lo = _mm256_and_si256(raw, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xl = bcast4(x[i][b].q + 4 * j), xh = bcast4(x[i][b].q + 16 + 4 * j);
+#ifdef CONVOY_VNNI
+        isum[i] = _mm256_dpbusd_epi32(isum[i], lo, xl);
+        isum[i] = _mm256_dpbusd_epi32(isum[i], hi, xh);
+#else  // |pair sums| <= 2 * 15 * 127: eight of them fit int16
+        isum[i] = _mm256_add_epi16(isum[i], _mm256_maddubs_epi16(lo, xl));
+        isum[i] = _mm256_add_epi16(isum[i], _mm256_maddubs_epi16(hi, xh));
+#endif
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
+    for (int i = 0; i < MR; ++i) {
+#ifdef CONVOY_VNNI
+      const __m256i dot = isum[i];
+#else
+      const __m256i dot = _mm256_madd_epi16(isum[i], ones);
+#endif
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[i][b].d)),
+                               _mm256_cvtepi32_ps(dot), acc[i]);
+      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[i]);
+    }
+  }
+}
+
+template <int MR, bool HAS_M>
+void panel_q8(const uint8_t* wg, int64_t nb, const ActBlock* const* x, __m256* acc) {
+  constexpr int64_t bsz = HAS_M ? 304 : 288;
+#ifdef CONVOY_VNNI
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wg + b * bsz;
+    for (int h = 0; h < 2; ++h) {
+      __m256i isum[MR];
+      for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+      for (int k = 4 * h; k < 4 * h + 4; ++k) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * k));
+#ifdef CONVOY_VNNI
+        const __m256i u = _mm256_xor_si256(w, flip);  // w + 128 as u8; corrected below
+        for (int i = 0; i < MR; ++i)
+          isum[i] = _mm256_dpbusd_epi32(isum[i], u, bcast4(x[i][b].q + 4 * k));
+#else  // maddubs takes u8 x s8: |w| times x with w's sign
+        const __m256i aw = _mm256_abs_epi8(w);
+        for (int i = 0; i < MR; ++i) {
+          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(x[i][b].q + 4 * k), w));
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p, ones));
+        }
+#endif
+      }
+      const __m256 d = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 256 + 16 * h)));
+      for (int i = 0; i < MR; ++i) {
+#ifdef CONVOY_VNNI
+        const int32_t xs = h == 0 ? x[i][b].sa : x[i][b].sb;
+        const __m256i dot = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(128 * xs));
+#else
+        const __m256i dot = isum[i];
+#endif
+        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[i][b].d)),
+                                 _mm256_cvtepi32_ps(dot), acc[i]);
+      }
+    }
+    if constexpr (HAS_M) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288)));
+      for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[i]);
+    }
+  }
+}
+
+template <int MR>
+void panel(int64_t kind, const uint8_t* wg, int64_t nb, const ActBlock* const* x, float* out,
+           int64_t ldo, int64_t lanes) {
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  if (kind == kQ4) {
+    panel_q4<MR>(wg, nb, x, acc);
+  } else if (kind == kQ8) {
+    panel_q8<MR, false>(wg, nb, x, acc);
+  } else {
+    panel_q8<MR, true>(wg, nb, x, acc);
+  }
+  for (int i = 0; i < MR; ++i) {
+    if (lanes == R) {
+      _mm256_storeu_ps(out + i * ldo, acc[i]);
+    } else {
+      alignas(32) float tmp[R];
+      _mm256_store_ps(tmp, acc[i]);
+      std::memcpy(out + i * ldo, tmp, sizeof(float) * lanes);
+    }
+  }
+}
+#else   // portable: the same integer dots and the same float steps, one lane at a time
+template <int MR>
+void panel(int64_t kind, const uint8_t* wg, int64_t nb, const ActBlock* const* x, float* out,
+           int64_t ldo, int64_t lanes) {
+  const int64_t bsz = kind_block_bytes(kind);
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < lanes; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = wg + b * bsz;
+        const ActBlock& a = x[i][b];
+        float d0, d1, m;
+        panel_scales(blk, kind, r, d0, d1, m);
+        int dot_a = 0, dot_b = 0;
+        for (int j = 0; j < 16; ++j) dot_a += panel_quant(blk, kind, r, j) * a.q[j];
+        for (int j = 16; j < QK; ++j) dot_b += panel_quant(blk, kind, r, j) * a.q[j];
+        if (kind == kQ4) {
+          acc = std::fma(d0 * a.d, static_cast<float>(dot_a + dot_b), acc);
+        } else {
+          acc = std::fma(d0 * a.d, static_cast<float>(dot_a), acc);
+          acc = std::fma(d1 * a.d, static_cast<float>(dot_b), acc);
+        }
+        if (kind != kQ8) acc = std::fma(m, a.s, acc);
+      }
+      out[i * ldo + r] = acc;
+    }
+}
+#endif
+
+// x (M, K) fp32 @ panels (N rows) -> (M, N) fp32 (+ bias)
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "weight: (N, bytes) uint8");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "packed: uint8 panels");
   const at::Tensor xc = x.contiguous();
-  const at::Tensor w = weight.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
+  const at::Tensor w = packed.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), G = w.size(0);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
-  const int64_t num_blocks = K / QK;
-  TORCH_CHECK(w.size(1) == num_blocks * block_bytes(qtype), "weight row size does not match K");
+  const int64_t nb = K / QK;
+  TORCH_CHECK(w.size(1) == nb * kind_block_bytes(kind), "panel size does not match K");
+  TORCH_CHECK(N > (G - 1) * R && N <= G * R, "N does not match the panels");
   at::Tensor out = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return out;
-  std::vector<BlockQ8> xq(static_cast<size_t>(M * num_blocks));
+  std::vector<ActBlock> xq(static_cast<size_t>(M * nb));
   const float* xp = xc.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      quantize_row(xp + m * K, xq.data() + m * num_blocks, num_blocks);
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, xq.data() + m * nb, nb);
   });
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t gstride = w.size(1);
   float* op = out.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
     const int64_t m1 = std::min(M, m0 + kTileM);
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      tile(wp, w.size(1), qtype, num_blocks, xq.data(), op, N, m0, m1, begin, end);
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      const ActBlock* rows[kMR];
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t lanes = std::min<int64_t>(R, N - g * R);
+        for (int64_t mi = m0; mi < m1; mi += kMR) {
+          const int64_t cnt = std::min(kMR, m1 - mi);
+          for (int64_t i = 0; i < cnt; ++i) rows[i] = xq.data() + (mi + i) * nb;
+          float* o = op + mi * N + g * R;
+          const uint8_t* wg = wp + g * gstride;
+          switch (cnt) {
+            case 4: panel<4>(kind, wg, nb, rows, o, N, lanes); break;
+            case 3: panel<3>(kind, wg, nb, rows, o, N, lanes); break;
+            case 2: panel<2>(kind, wg, nb, rows, o, N, lanes); break;
+            default: panel<1>(kind, wg, nb, rows, o, N, lanes); break;
+          }
+        }
+      }
     });
   }
   if (bias.has_value() && bias->defined()) out.add_(*bias);
@@ -225,7 +571,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(convoy, m) {
-  m.def("quant_linear(Tensor x, Tensor weight, int qtype, Tensor? bias) -> Tensor");
+  m.def("quant_pack(Tensor blocks, int qtype, int kind, int K) -> Tensor");
+  m.def("quant_dequant_rows(Tensor packed, int kind, int K, Tensor ids) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int kind, int N, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(convoy, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(convoy, CPU, m) {
+  m.impl("quant_pack", &quant_pack);
+  m.impl("quant_dequant_rows", &quant_dequant_rows);
+  m.impl("quant_linear", &quant_linear);
+}
