@@ -179,7 +179,14 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) rotary embedding with a precomputed cos/sin table."""
+    """Non-interleaved (rotate-half) rotary embedding with a cos/sin table grown on demand.
+
+    The table covers the positions seen so far, in chunks of `CHUNK` positions, each computed by
+    itself with the same shapes: a position's values never depend on how far the table has grown
+    (a whole-context table is 67 MB of fp32 for Gemma 3's two ropes at 32k positions).
+    """
+
+    CHUNK = 1024
 
     def __init__(
         self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None
@@ -193,21 +200,46 @@ class RotaryEmbedding(nn.Module):
         )
         self._memo_positions: torch.Tensor | None = None
         self._memo_cos = self._memo_sin = torch.empty(0)
-        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self._table_positions: torch.Tensor | None = None
+        rows = min(max_positions, self.CHUNK)
+        self.register_buffer("cos", torch.empty(rows, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(rows, head_dim // 2), persistent=False)
         self.init_buffers()
 
     def init_buffers(self) -> None:
         """(Re)compute the fp32 cos/sin table; the loader calls this after materialising the model."""
         if self.cos.is_meta:
             return
+        self.cos, self.sin = self._chunks(0, self.cos.shape[0])
+
+    def _chunks(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.head_dim
-        arange = torch.arange(0, d, 2, dtype=torch.int64, device=self.cos.device)
+        device = self.cos.device
+        arange = torch.arange(0, d, 2, dtype=torch.int64, device=device)
         inv_freq = _scale_inv_freq(1.0 / (self.base ** (arange.float() / d)), self.scaling)
-        pos = torch.arange(self.max_positions, dtype=torch.float32, device=self.cos.device)
-        freqs = torch.outer(pos, inv_freq)  # (P, D/2)
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        cos, sin = [], []
+        for c in range(start, end, self.CHUNK):
+            pos = torch.arange(c, c + self.CHUNK, dtype=torch.float32, device=device)
+            freqs = torch.outer(pos, inv_freq)  # (CHUNK, D/2)
+            cos.append(freqs.cos())
+            sin.append(freqs.sin())
+        n = end - start
+        return torch.cat(cos)[:n], torch.cat(sin)[:n]
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) tables covering `positions` (grown once per new positions tensor: a step's
+        positions are shared by every layer)."""
+        if positions is not self._table_positions:
+            self._table_positions = positions
+            have = self.cos.shape[0]
+            need = int(positions.max()) + 1 if positions.numel() else 0
+            if need > have:
+                end = min(self.max_positions, max(need, 2 * have))  # beyond: indexing fails
+                start = have - have % self.CHUNK  # recompute a partial last chunk whole
+                cos, sin = self._chunks(start, end)
+                self.cos = torch.cat([self.cos[:start], cos])
+                self.sin = torch.cat([self.sin[:start], sin])
+        return self.cos, self.sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -216,8 +248,9 @@ class RotaryEmbedding(nn.Module):
         # NOTE: one instance serves every layer with the same base; the step's positions tensor is
         # shared by all layers, so cos/sin are gathered once per step.
         if positions is not self._memo_positions or q.dtype != self._memo_cos.dtype:
-            self._memo_cos = self.cos[positions].to(q.dtype).repeat(1, 2).unsqueeze(1)  # (T, 1, D)
-            self._memo_sin = self.sin[positions].to(q.dtype).repeat(1, 2).unsqueeze(1)
+            cos_t, sin_t = self.tables(positions)
+            self._memo_cos = cos_t[positions].to(q.dtype).repeat(1, 2).unsqueeze(1)  # (T, 1, D)
+            self._memo_sin = sin_t[positions].to(q.dtype).repeat(1, 2).unsqueeze(1)
             self._memo_positions = positions
         cos, sin = self._memo_cos, self._memo_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

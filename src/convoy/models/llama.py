@@ -58,11 +58,11 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.native:  # q, k rotated in place; k, v written to the cache
-            attn, rotary = self.attn, self.rotary
+            attn = self.attn
+            cos, sin = self.rotary.tables(positions)
             kernels.rotary_cache(
-                q, k, v, positions, rotary.cos, rotary.sin, attn.k_cache, attn.v_cache,
-                meta.slot_mapping,
-            )  # fmt: skip
+                q, k, v, positions, cos, sin, attn.k_cache, attn.v_cache, meta.slot_mapping
+            )
             o = attn(q, k, v, meta, cache_written=True)
         else:
             q, k = self.rotary(positions, q, k)

@@ -31,7 +31,9 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
         logits = _apply_processors(logits.clone(), rows)
     tokens = torch.empty(len(rows), dtype=torch.long)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    if greedy:
+    if len(greedy) == len(rows):  # all greedy: no (N, V) gather copy
+        tokens = logits.argmax(-1)
+    elif greedy:
         tokens[greedy] = logits[greedy].argmax(-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
