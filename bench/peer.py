@@ -437,6 +437,13 @@ def main() -> None:
         help="leave Convoy's KV pool at its default budget instead of sizing it to the tokens of"
         " llama-server's context (slots x ctx per slot), as the memory comparison assumes",
     )
+    add(
+        "--before",
+        type=Path,
+        default=None,
+        help="also run the Convoy of this source tree (e.g. a `git worktree` of an older commit,"
+        " its src/ first on PYTHONPATH) as `convoy-before`, same flags, in the same invocation",
+    )
     add("--concurrency", default="1,4,16,64", help="concurrent streams per row")
     add("--tokens", type=int, default=128, help="generated tokens per stream")
     add("--slots", type=int, default=None, help="llama-server --parallel (default: max streams)")
@@ -454,6 +461,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.host not in LOOPBACK:
         parser.error(f"--host {args.host}: only {' or '.join(LOOPBACK)} (this sends load)")
+    if args.before is not None and not (args.before / "src" / "convoy").is_dir():
+        parser.error(f"--before {args.before}: no src/convoy in it")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.threads = args.threads or cores
     args.slots = args.slots or max([*args.concurrency, ONE_REQUEST_PROMPTS])
@@ -481,21 +490,26 @@ def main() -> None:
                "-t", str(args.threads), "--no-webui"]  # fmt: skip
         return Server("llama-server", cmd, args.host)
 
-    def convoy(slots: int, ctx: int) -> Server:
+    def convoy(slots: int, ctx: int, name: str = "convoy", src: Path | None = None) -> Server:
         kv = [] if args.convoy_default_kv else ["--num-kv-blocks", str(-(-slots * ctx // block))]
         cmd = [sys.executable, "-m", "convoy.cli", "serve", str(args.gguf), "--log-level",
                "warning", *(["--dtype", args.dtype] if args.dtype else []), *kv,
                *args.convoy_flag]  # fmt: skip
-        return Server("convoy", cmd, args.host, env)
+        own_env = env if src is None else {**env, "PYTHONPATH": str(src)}
+        return Server(name, cmd, args.host, own_env)
+
+    def convoy_before(slots: int, ctx: int) -> Server:
+        return convoy(slots, ctx, "convoy-before", args.before / "src")
 
     from convoy.config import CacheConfig
 
     block = CacheConfig().block_size
     stream_shape = (args.slots, args.ctx_per_slot)
-    phases = [("streaming", llama, stream_shape), ("streaming", convoy, stream_shape)]
+    servers = [llama, convoy, *([convoy_before] if args.before else [])]
+    phases = [("streaming", make, stream_shape) for make in servers]
     if not args.skip_prompt_heavy:
         heavy_shape = (HEAVY_STREAMS, HEAVY_CTX)
-        phases += [("heavy", llama, heavy_shape), ("heavy", convoy, heavy_shape)]
+        phases += [("heavy", make, heavy_shape) for make in servers]
     stream_res: dict[str, dict] = {}
     heavy_res: dict[str, dict] = {}
     heavy_prompts: dict[int, list[str]] = {}
