@@ -197,3 +197,18 @@ def test_disabled_by_env_without_building(monkeypatch) -> None:
     monkeypatch.setattr(builder, "build", no_build)
     monkeypatch.setenv("CONVOY_CPU_KERNELS", "0")
     assert builder.available.__wrapped__() is False
+
+
+@needs_compiler
+def test_a_changed_header_rebuilds(tmp_path) -> None:
+    header = _source(tmp_path, "#define CONVOY_TEST_ANSWER 42\n", "answer.h")
+    src = _source(
+        tmp_path,
+        '#include "answer.h"\nextern "C" int convoy_test_answer() { return CONVOY_TEST_ANSWER; }\n',
+    )
+    root = tmp_path / "cache"
+    lib = _build_library("tiny", [src], root)
+    assert _answer(lib) == 42
+    header.write_text("#define CONVOY_TEST_ANSWER 43\n")
+    rebuilt = _build_library("tiny", [src], root)
+    assert rebuilt != lib and _answer(rebuilt) == 43

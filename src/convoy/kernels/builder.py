@@ -125,7 +125,8 @@ def _digest(
     ]
     for part in parts:
         h.update(part.encode() + b"\0")
-    for src in sources:
+    headers = sorted({h for src in sources for h in src.parent.glob("*.h")})  # included by them
+    for src in [*sources, *headers]:
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     return h.hexdigest()[:20]
 

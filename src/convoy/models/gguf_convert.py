@@ -68,8 +68,9 @@ def field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def convert_gguf(path: Path, out_dir: Path) -> None:
-    """Write the HF-format folder for the GGUF file at `path` into `out_dir` (atomically)."""
+def open_gguf(path: Path) -> tuple[Any, str, type[CausalLM]]:
+    """(reader, architecture, model family) of the GGUF file at `path`; ModelLoadError if the
+    architecture is not one Convoy runs."""
     reader = read_gguf(path)
     arch = field(reader, "general.architecture")
     family = gguf_family(arch)
@@ -77,6 +78,12 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
         raise ModelLoadError(
             f"{path}: unsupported architecture {arch!r} (supported: {', '.join(GGUF_FAMILIES)})"
         )
+    return reader, arch, family
+
+
+def convert_gguf(path: Path, out_dir: Path) -> None:
+    """Write the HF-format folder for the GGUF file at `path` into `out_dir` (atomically)."""
+    reader, arch, family = open_gguf(path)
     config = _config(reader, arch, family)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -46,12 +46,13 @@ from convoy.models.gguf_convert import (
     _tensors,
     field,
     hf_tensor_name,
+    open_gguf,
     read_gguf,
 )
 from convoy.models.gguf_index import read_gguf_index
 from convoy.models.gguf_quant import quantized_linears
 from convoy.models.layers import CausalLM, QuantEmbedding
-from convoy.models.registry import ARCHITECTURES, GGUF_FAMILIES, gguf_family, model_class
+from convoy.models.registry import ARCHITECTURES, gguf_family, model_class
 
 logger = logging.getLogger(__name__)
 
@@ -136,13 +137,7 @@ def _from_gguf(path: Path, name: str) -> ResolvedModel:
 def _convert_gguf_metadata(path: Path, out: Path) -> None:
     """config.json and the tokenizer files of the GGUF at `path` into `out` (atomically), without
     the weights: every tensor is checked (readable, a known name) but none is dequantized."""
-    reader = read_gguf(path)
-    arch = field(reader, "general.architecture")
-    family = gguf_family(arch)
-    if family is None:
-        raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(GGUF_FAMILIES)})"
-        )
+    reader, arch, family = open_gguf(path)
     bad = next((t.name for t in reader.tensors if hf_tensor_name(t.name, family) is None), None)
     if bad is not None:
         raise ModelLoadError(f"{path}: unexpected tensor {bad!r} in GGUF file")
