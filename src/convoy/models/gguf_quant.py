@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from convoy.kernels.ops import PANEL_ROWS
 from convoy.models.gguf_convert import field, hf_tensor_name
 from convoy.models.gguf_index import read_gguf_index
 from convoy.models.registry import gguf_family
@@ -80,4 +81,9 @@ def _rows(data: np.ndarray, order: torch.Tensor) -> torch.Tensor:
 def _joined(shards: dict[int, QuantWeight | None]) -> QuantParts | None:
     ordered = [shards.get(i) for i in range(len(shards))]
     parts = [s for s in ordered if s is not None]
-    return parts if len(parts) == len(ordered) else None
+    if len(parts) != len(ordered):
+        return None
+    # Joined parts stack whole 8-row panels (kernels.linear.QuantLinear.from_parts).
+    if any(b.shape[0] % PANEL_ROWS for _, b in parts[:-1]):
+        return None
+    return parts
