@@ -32,9 +32,9 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
     tokens = torch.empty(len(rows), dtype=torch.long)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     if len(greedy) == len(rows):  # all greedy: no (N, V) gather copy
-        tokens = logits.argmax(-1)
+        tokens = argmax_rows(logits)
     elif greedy:
-        tokens[greedy] = logits[greedy].argmax(-1)
+        tokens[greedy] = argmax_rows(logits[greedy])
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
         tokens[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
@@ -51,6 +51,23 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
             if k is not None:
                 logprobs[i] = entry
     return SamplerOutput(token_ids, logprobs, sampled)
+
+
+_ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` of an (N, V) tensor, the same indices (the first maximum; NaN counts as the
+    maximum), ~6x faster on the CPU for a large vocabulary: torch's last-dim argmax is not
+    vectorized (measured 13.8 vs 2.3 ms for 64 x 262144 fp32), its amax is. The maximum of each
+    chunk of 1024, the first chunk holding the row's maximum, then the argmax inside it."""
+    n, v = x.shape
+    if v % _ARGMAX_CHUNK or x.device.type != "cpu" or not x.is_contiguous():
+        return x.argmax(-1)
+    chunks = x.view(n, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    best = chunks.amax(-1).argmax(-1)  # (N,) the first chunk with the maximum
+    inside = chunks[torch.arange(n), best].argmax(-1)
+    return best * _ARGMAX_CHUNK + inside
 
 
 def position_logprobs(lp: torch.Tensor, token_id: int, k: int) -> PositionLogprobs:
@@ -127,7 +144,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor
         else:
             gen = torch.Generator().manual_seed(hash((r.seed, len(r.output_token_ids))) & _MASK64)
             noise[i].exponential_(generator=gen)
-    return (probs / noise).argmax(-1)
+    return argmax_rows(probs / noise)
 
 
 def _top_p_(row: torch.Tensor, top_p: float) -> None:
