@@ -1,0 +1,59 @@
+"""`convoy serve` with default flags: the embedded GGUF runs quantized (int8 kernels, fp16 KV),
+and the OpenAI surface works the same through it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from openai import OpenAI
+
+from tests.e2e.conftest import Server, _free_port, _wait_healthy
+from tests.e2e.helpers import API_KEY, MODEL
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory, cpu_kernels: None) -> Iterator[Server]:
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("default") / "server.log"
+    cmd = [sys.executable, "-m", "convoy.cli", "serve", "--port", str(port),
+           "--kv-cache-memory", "128MiB", "--log-level", "info"]  # fmt: skip
+    env = {**os.environ, "CONVOY_API_KEY": API_KEY}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_default_server_runs_quantized_and_answers(default_server: Server) -> None:
+    assert "linears quantized" in default_server.log()
+    assert " 0 linears quantized" not in default_server.log()
+    client = OpenAI(base_url=f"{default_server.base_url}/v1", api_key=API_KEY, max_retries=0)
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    out = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(c.finish_reason == "length" and c.text for c in out.choices)
+    assert out.usage is not None and out.usage.completion_tokens == 16
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=6,
+        stream=True,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].choices[0].finish_reason in ("length", "stop")
