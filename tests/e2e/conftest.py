@@ -81,28 +81,43 @@ def _wait_healthy(server: Server) -> None:
     pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log()[-4000:]}")
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def start_server(serve_args: list[str], log_dir: Path) -> Server:
+    """`convoy serve <serve_args>` on a free loopback port with API_KEY, healthy when returned;
+    the caller stops it (`stop_server`)."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [
-        sys.executable, "-m", "convoy.cli", "serve", MODEL,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--device", "cpu",
-        "--kv-cache-memory", "256MiB", "--max-queue", str(MAX_QUEUE),
-        "--max-request-bytes", str(MAX_REQUEST_BYTES),
-    ]  # fmt: skip
+    log_path = log_dir / "server.log"
+    cmd = [sys.executable, "-m", "convoy.cli", "serve", *serve_args,
+           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     env = {**os.environ, "CONVOY_API_KEY": API_KEY}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)
     try:
         _wait_healthy(server)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.kill()
+        server.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    args = [
+        MODEL, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "256MiB",
+        "--max-queue", str(MAX_QUEUE), "--max-request-bytes", str(MAX_REQUEST_BYTES),
+    ]  # fmt: skip
+    server = start_server(args, tmp_path_factory.mktemp("server"))
+    try:
         yield server
         _terminate_while_streaming(server)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_server(server)
 
 
 def _terminate_while_streaming(server: Server) -> None:

@@ -3,38 +3,23 @@ and the OpenAI surface works the same through it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import Server, _free_port, _wait_healthy
+from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.helpers import API_KEY, MODEL
 
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory: pytest.TempPathFactory, cpu_kernels: None) -> Iterator[Server]:
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("default") / "server.log"
-    cmd = [sys.executable, "-m", "convoy.cli", "serve", "--port", str(port),
-           "--kv-cache-memory", "128MiB", "--log-level", "info"]  # fmt: skip
-    env = {**os.environ, "CONVOY_API_KEY": API_KEY}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    args = ["--kv-cache-memory", "128MiB", "--log-level", "info"]  # otherwise default flags
+    server = start_server(args, tmp_path_factory.mktemp("default"))
     try:
-        _wait_healthy(server)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(server)
 
 
 def test_default_server_runs_quantized_and_answers(default_server: Server) -> None:

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from convoy.kernels.linear import QuantLinear
+from convoy.kernels.ops import QUANT_TYPES
 from convoy.models.gguf_convert import ModelLoadError, field, read_gguf
 from convoy.models.gguf_index import read_gguf_index
 from convoy.models.layers import CausalLM, QuantEmbedding
 from convoy.models.loader import ResolvedModel, embedded_gguf_path, load_model, resolve_model
-from convoy.worker.worker import QUANT_TYPES
 
 MODEL = "smollm2-135m-instruct"
 

@@ -55,8 +55,7 @@ def _config(kind: str):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3"])
-def test_tiny_parity(kind: str, tmp_path: Path) -> None:
+def _check_parity(kind: str, tmp_path: Path, native: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -67,8 +66,23 @@ def test_tiny_parity(kind: str, tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(1)
     # Lengths straddle the block size (4) and the Gemma sliding window (8).
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
-    logits, tokens = convoy_greedy(ours, resolved.config, prompts, steps=32)
+    logits, tokens = convoy_greedy(ours, resolved.config, prompts, steps=32, native_decode=native)
+    if native:
+        assert all(m.native for m in ours.modules() if type(m).__name__ == "RMSNorm")
     for prompt, our_logits, our_tokens in zip(prompts, logits, tokens, strict=True):
         ref_logits, ref_tokens = reference_greedy(ref, prompt, steps=32)
         assert (our_logits - ref_logits).abs().max().item() < LOGIT_ATOL
         assert our_tokens == ref_tokens
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3"])
+def test_tiny_parity(kind: str, tmp_path: Path) -> None:
+    _check_parity(kind, tmp_path, native=False)
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
+def test_tiny_parity_native_kernels(kind: str, tmp_path: Path) -> None:
+    """With the CPU kernels on: fused norms, rotary + cache writes, gated activations and decode
+    attention still give transformers' greedy tokens."""
+    _check_parity(kind, tmp_path, native=True)

@@ -10,7 +10,7 @@ import torch
 from convoy import kernels
 from convoy.config import ConfigError, EngineConfig
 from convoy.kernels.linear import QuantLinear, linear_packing, pack_linears, quantize_linears
-from convoy.kernels.ops import QUANT_TYPES as KERNEL_QUANT_TYPES
+from convoy.kernels.ops import QUANT_TYPES
 from convoy.models.layers import CausalLM
 from convoy.models.loader import load_model, resolve_model
 from convoy.worker.batch import ModelRunnerOutput, ScheduledSeq
@@ -19,8 +19,6 @@ from convoy.worker.model_runner import ModelRunner
 from convoy.worker.sampler import prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
-
-QUANT_TYPES = set(KERNEL_QUANT_TYPES)  # GGUF block types kept quantized (quantization gguf)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,7 +80,7 @@ class Worker:
         self.dtype = torch.float32 if auto_fp32 else resolve_dtype(config.dtype, self.device)
         # gguf: the linears (and embedding) of these GGUF block types are built from their
         # blocks; their dequantized weights are never materialised.
-        quant_types = QUANT_TYPES if self.quantization == "gguf" else None
+        quant_types = QUANT_TYPES.keys() if self.quantization == "gguf" else None
         self.model = load_model(resolved, self.dtype, self.device, quant_types)
         if self.quantization in ("int8", "int4"):
             quantize_linears(self.model, 8 if self.quantization == "int8" else 4)
