@@ -20,7 +20,19 @@ TEXT = (
     "The history of the lighthouse begins in the ancient world, when fires were lit on hilltops "
     "to guide ships into harbour. The most famous of these was the Pharos of Alexandria, built in "
     "the third century BC, which stood for more than a thousand years. In the modern era, "
-    "lighthouses were fitted with lenses that could project a beam of light many miles out to sea."
+    "lighthouses were fitted with lenses that could project a beam of light many miles out to sea. "
+    "The Fresnel lens, invented in France in the 1820s, replaced heavy mirrors with rings of glass "
+    "prisms that bent the light into a single horizontal beam, and it made coastal lights visible "
+    "for twenty miles or more. Keepers lived in small cottages beside the towers with their "
+    "families. Every evening they climbed the spiral stairs to light the lamp, wound the clockwork "
+    "that turned the lens, and trimmed the wicks through the night so that the flame never "
+    "smoked. In storms they stayed awake until dawn, logging passing ships and watching for "
+    "signals of distress. Supplies came by boat once a month, and on remote rocks a change of "
+    "weather could leave a station cut off for weeks. During the twentieth century electric lamps "
+    "replaced oil, and automatic switches made the keepers unnecessary; the last of them left "
+    "their posts in the 1990s. Many towers are now museums, and a few still guide ships, their "
+    "beams controlled by computers on the mainland while satellites and radar do most of the "
+    "work their keepers once did by hand."
 )
 
 

@@ -22,7 +22,13 @@ from gguf.quants import dequantize, quantize
 
 from convoy.kernels import builder
 from convoy.kernels.linear import QuantLinear, panel_kind
-from convoy.kernels.ops import QUANT_BLOCKS, QUANT_KIND_Q4, QUANT_KIND_Q8, QUANT_KIND_Q8M
+from convoy.kernels.ops import (
+    QUANT_BLOCKS,
+    QUANT_KIND_Q4,
+    QUANT_KIND_Q8,
+    QUANT_KIND_Q8M,
+    QUANT_KIND_Q8S,
+)
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -96,8 +102,10 @@ def test_batch_invariance_for_every_batch_size_up_to_300() -> None:
     q4 = QuantLinear(blocks, int(T.Q4_K), 512, None)
     blocks, _ = _blocks(45, 512, T.Q6_K, seed=4)
     q8 = QuantLinear(blocks, int(T.Q6_K), 512, None)
+    blocks, _ = _blocks(45, 512, T.Q8_0, seed=6)
+    q8s = QuantLinear(blocks, int(T.Q8_0), 512, None)
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(5))
-    for layer in (q4, q8):
+    for layer in (q4, q8, q8s):
         full = layer(x)
         for m in range(1, 301):
             assert torch.equal(layer(x[:m]), full[:m]), m
@@ -108,7 +116,8 @@ def test_mixed_types_join_into_one_panel_kind() -> None:
     assert panel_kind([int(T.Q4_K), int(T.Q4_0)]) == QUANT_KIND_Q4
     assert panel_kind([int(T.Q5_0), int(T.Q8_0), int(T.Q6_K)]) == QUANT_KIND_Q8
     assert panel_kind([int(T.Q4_K), int(T.Q6_K)]) == QUANT_KIND_Q8M
-    for types in ([T.Q5_0, T.Q5_0, T.Q8_0], [T.Q4_K, T.Q6_K], [T.Q4_1, T.Q5_1]):
+    assert panel_kind([int(T.Q5_0), int(T.Q8_0)]) == QUANT_KIND_Q8S
+    for types in ([T.Q5_0, T.Q5_0, T.Q8_0], [T.Q8_0, T.Q6_K], [T.Q4_K, T.Q6_K], [T.Q4_1, T.Q5_1]):
         parts = [_blocks(16, 256, t, seed=i) for i, t in enumerate(types)]
         parts[-1] = _blocks(13, 256, types[-1], seed=9)  # the last part may end mid-panel
         pairs = [(int(t), b) for t, (b, _) in zip(types, parts, strict=True)]

@@ -30,6 +30,7 @@ from convoy.kernels.ops import (
     QUANT_KIND_Q4,
     QUANT_KIND_Q8,
     QUANT_KIND_Q8M,
+    QUANT_KIND_Q8S,
     QUANT_TYPES,
     quant_dequant_rows,
     quant_linear,
@@ -203,7 +204,9 @@ def panel_kind(qtypes: Sequence[int]) -> int:
         return QUANT_KIND_Q4
     if kinds & {QUANT_KIND_Q4, QUANT_KIND_Q8M}:
         return QUANT_KIND_Q8M
-    return QUANT_KIND_Q8
+    if kinds == {QUANT_KIND_Q8S}:
+        return QUANT_KIND_Q8S
+    return QUANT_KIND_Q8  # Q6_K's two scales per block hold a one-scale type's too
 
 
 QuantParts = list[tuple[int, torch.Tensor]]  # (GGML type id, (rows, bytes) uint8 blocks), in order

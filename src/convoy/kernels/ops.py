@@ -40,14 +40,14 @@ def bf16_linear(
 
 # GGUF block types kept quantized (GGML type id -> the panel kind csrc/quant_linear.cpp packs it
 # into: 0 = 4-bit quants + scale + offset, 1 = int8 quants + two half-block scales, 2 = int8 quants
-# + two scales + offset) and their (weights, bytes) per GGUF block.
-QUANT_KIND_Q4, QUANT_KIND_Q8, QUANT_KIND_Q8M = 0, 1, 2
+# + two scales + offset, 3 = int8 quants + one scale) and their (weights, bytes) per GGUF block.
+QUANT_KIND_Q4, QUANT_KIND_Q8, QUANT_KIND_Q8M, QUANT_KIND_Q8S = 0, 1, 2, 3
 QUANT_TYPES: dict[int, int] = {
     2: QUANT_KIND_Q4,  # Q4_0
     3: QUANT_KIND_Q4,  # Q4_1
-    6: QUANT_KIND_Q8,  # Q5_0
+    6: QUANT_KIND_Q8S,  # Q5_0
     7: QUANT_KIND_Q8M,  # Q5_1
-    8: QUANT_KIND_Q8,  # Q8_0
+    8: QUANT_KIND_Q8S,  # Q8_0
     12: QUANT_KIND_Q4,  # Q4_K
     13: QUANT_KIND_Q8M,  # Q5_K
     14: QUANT_KIND_Q8,  # Q6_K

@@ -1,10 +1,12 @@
 // Linear layers on GGUF-quantized weights, kept quantized: repacked once at load into 8-row panels
 // and run with int8 dot products, as llama.cpp and its faster fork do on AVX2.
 //
-// Repack (quant_pack). Every GGUF block type is decoded into one of three panel kinds, 32 weights a
-// block, w[j] = d[j / 16] * q[j] + m (one scale for Q4, two for the 16-weight halves in Q8):
+// Repack (quant_pack). Every GGUF block type is decoded into one of four panel kinds, 32 weights a
+// block, w[j] = d[j / 16] * q[j] + m (one scale for Q4 and Q8S, two for the 16-weight halves in
+// Q8 and Q8M):
 //   kQ4  (Q4_0, Q4_1, Q4_K):          4-bit q 0..15,     fp16 d, fp16 m          160 B / 8x32
-//   kQ8  (Q8_0, Q5_0, Q6_K):          int8 q,            fp16 d0, d1 (m = 0)     288 B / 8x32
+//   kQ8S (Q8_0, Q5_0):                int8 q,            fp16 d (m = 0)          272 B / 8x32
+//   kQ8  (Q6_K, or Q6_K with kQ8S):   int8 q,            fp16 d0, d1 (m = 0)     288 B / 8x32
 //   kQ8M (Q5_1, Q5_K, or mixed):      int8 q,            fp16 d0, d1, fp16 m     304 B / 8x32
 // A panel holds 8 weight rows: for each 32-block, the quants of 8 rows interleaved so that one
 // 32-byte load gives 4 consecutive quants of each row in its own 32-bit lane, then the 8 rows'
@@ -17,7 +19,7 @@
 // integer dot products (one per weight row, one per 32-bit lane: AVX2 maddubs + madd, or AVX512-VNNI
 // dpbusd), then each output element accumulates in fp32, block after block, in a fixed order:
 //   acc = fma(d0 * dx, dot(q[0..15]), acc); acc = fma(d1 * dx, dot(q[16..31]), acc)   (kQ8, kQ8M)
-//   acc = fma(d * dx, dot(q[0..31]), acc)                                              (kQ4)
+//   acc = fma(d * dx, dot(q[0..31]), acc)                                              (kQ4, kQ8S)
 //   acc = fma(m, dx * sum(qx), acc)                                                    (kQ4, kQ8M)
 // NOTE: batch invariance. The integer dots are exact and the float steps are the same on every
 // path (scalar, AVX2, VNNI) and for any batch size, tile or thread split: threads split weight
@@ -55,7 +57,7 @@ constexpr int64_t R = 8;    // weight rows per panel
 constexpr int64_t kTileM = 64;  // activation rows per tile: their int8 blocks stay in L2
 constexpr int64_t kMR = 4;      // activation rows per register tile
 
-enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kQ8M = 2 };
+enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kQ8M = 2, kQ8S = 3 };
 
 // GGML type ids (gguf.GGMLQuantizationType)
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
@@ -84,6 +86,7 @@ int64_t kind_block_bytes(int64_t kind) {
     case kQ4: return 4 * 32 + 2 * 16;
     case kQ8: return 8 * 32 + 2 * 16;
     case kQ8M: return 8 * 32 + 3 * 16;
+    case kQ8S: return 8 * 32 + 16;
     default: TORCH_CHECK(false, "unknown panel kind ", kind);
   }
 }
@@ -227,6 +230,10 @@ void pack_block(const Decoded* rows, int64_t kind, uint8_t* out) {
   scales = reinterpret_cast<uint16_t*>(out + 256);
   for (int r = 0; r < R; ++r) {
     scales[r] = float_to_half(rows[r].d0);
+    if (kind == kQ8S) {
+      TORCH_CHECK(rows[r].d0 == rows[r].d1 && rows[r].m == 0.f, "8-bit panel: one scale, no offset");
+      continue;
+    }
     scales[R + r] = float_to_half(rows[r].d1);
     if (kind == kQ8M) {
       scales[2 * R + r] = float_to_half(rows[r].m);
@@ -272,6 +279,9 @@ inline void panel_scales(const uint8_t* blk, int64_t kind, int r, float& d0, flo
   if (kind == kQ4) {
     d1 = d0;
     m = half_to_float(blk + off + 2 * (R + r));
+  } else if (kind == kQ8S) {
+    d1 = d0;
+    m = 0.f;
   } else {
     d1 = half_to_float(blk + off + 2 * (R + r));
     m = kind == kQ8M ? half_to_float(blk + off + 2 * (2 * R + r)) : 0.f;
@@ -383,143 +393,195 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-template <int MR>
-void panel_q4(const uint8_t* wg, int64_t nb, const ActBlock* const* x, __m256* acc) {
+// NOTE: each activation row keeps two integer accumulators per panel (low and high nibbles, or the
+// two 16-weight halves), summed after the block: dpbusd has a latency of several cycles, and one
+// chain per row left the kernel latency-bound. Integer sums are exact, so the split changes no
+// result. P panels (2 with VNNI's 32 registers) share each broadcast of the activations.
+template <int MR, int P>
+void panel_q4(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __m256 (*acc)[MR]) {
   const __m256i low = _mm256_set1_epi8(0x0F);
 #ifndef CONVOY_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wg + b * 160;
-    __m256i isum[MR];
-    for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+    __m256i isum[P][2][MR];
+    for (int p = 0; p < P; ++p)
+      for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
-      const __m256i lo = _mm256_and_si256(raw, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      __m256i lo[P], hi[P];
+      for (int p = 0; p < P; ++p) {
+        const __m256i raw =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[p] + b * 160 + 32 * j));
+        lo[p] = _mm256_and_si256(raw, low);
+        hi[p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      }
       for (int i = 0; i < MR; ++i) {
         const __m256i xl = bcast4(x[i][b].q + 4 * j), xh = bcast4(x[i][b].q + 16 + 4 * j);
+        for (int p = 0; p < P; ++p) {
 #ifdef CONVOY_VNNI
-        isum[i] = _mm256_dpbusd_epi32(isum[i], lo, xl);
-        isum[i] = _mm256_dpbusd_epi32(isum[i], hi, xh);
+          isum[p][0][i] = _mm256_dpbusd_epi32(isum[p][0][i], lo[p], xl);
+          isum[p][1][i] = _mm256_dpbusd_epi32(isum[p][1][i], hi[p], xh);
 #else  // |pair sums| <= 2 * 15 * 127: eight of them fit int16
-        isum[i] = _mm256_add_epi16(isum[i], _mm256_maddubs_epi16(lo, xl));
-        isum[i] = _mm256_add_epi16(isum[i], _mm256_maddubs_epi16(hi, xh));
+          isum[p][0][i] = _mm256_add_epi16(isum[p][0][i], _mm256_maddubs_epi16(lo[p], xl));
+          isum[p][0][i] = _mm256_add_epi16(isum[p][0][i], _mm256_maddubs_epi16(hi[p], xh));
 #endif
+        }
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
-    for (int i = 0; i < MR; ++i) {
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* blk = wg[p] + b * 160;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
+      for (int i = 0; i < MR; ++i) {
 #ifdef CONVOY_VNNI
-      const __m256i dot = isum[i];
+        const __m256i dot = _mm256_add_epi32(isum[p][0][i], isum[p][1][i]);
 #else
-      const __m256i dot = _mm256_madd_epi16(isum[i], ones);
+        const __m256i dot = _mm256_madd_epi16(isum[p][0][i], ones);
 #endif
-      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[i][b].d)),
-                               _mm256_cvtepi32_ps(dot), acc[i]);
-      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[i]);
+        acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[i][b].d)),
+                                    _mm256_cvtepi32_ps(dot), acc[p][i]);
+        acc[p][i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[p][i]);
+      }
     }
   }
 }
 
-template <int MR, bool HAS_M>
-void panel_q8(const uint8_t* wg, int64_t nb, const ActBlock* const* x, __m256* acc) {
-  constexpr int64_t bsz = HAS_M ? 304 : 288;
+// SINGLE (kQ8S): one scale per block, so the halves' exact sums are added and scaled once.
+template <int MR, int P, bool HAS_M, bool SINGLE>
+void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __m256 (*acc)[MR]) {
+  static_assert(!(HAS_M && SINGLE), "kQ8S has no offsets");
+  constexpr int64_t bsz = SINGLE ? 272 : HAS_M ? 304 : 288;
 #ifdef CONVOY_VNNI
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wg + b * bsz;
-    for (int h = 0; h < 2; ++h) {
-      __m256i isum[MR];
-      for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
-      for (int k = 4 * h; k < 4 * h + 4; ++k) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * k));
+    __m256i isum[P][2][MR];
+    for (int p = 0; p < P; ++p)
+      for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k)
+      for (int h = 0; h < 2; ++h) {
+        const int kk = 4 * h + k;
+        __m256i w[P];
+        for (int p = 0; p < P; ++p) {
+          w[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[p] + b * bsz + 32 * kk));
 #ifdef CONVOY_VNNI
-        const __m256i u = _mm256_xor_si256(w, flip);  // w + 128 as u8; corrected below
-        for (int i = 0; i < MR; ++i)
-          isum[i] = _mm256_dpbusd_epi32(isum[i], u, bcast4(x[i][b].q + 4 * k));
-#else  // maddubs takes u8 x s8: |w| times x with w's sign
-        const __m256i aw = _mm256_abs_epi8(w);
-        for (int i = 0; i < MR; ++i) {
-          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(x[i][b].q + 4 * k), w));
-          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p, ones));
+          w[p] = _mm256_xor_si256(w[p], flip);  // w + 128 as u8; corrected below
+#endif
         }
-#endif
-      }
-      const __m256 d = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 256 + 16 * h)));
-      for (int i = 0; i < MR; ++i) {
+        for (int i = 0; i < MR; ++i) {
+          const __m256i xb = bcast4(x[i][b].q + 4 * kk);
+          for (int p = 0; p < P; ++p) {
 #ifdef CONVOY_VNNI
-        const int32_t xs = h == 0 ? x[i][b].sa : x[i][b].sb;
-        const __m256i dot = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(128 * xs));
-#else
-        const __m256i dot = isum[i];
+            isum[p][h][i] = _mm256_dpbusd_epi32(isum[p][h][i], w[p], xb);
+#else  // maddubs takes u8 x s8: |w| times x with w's sign
+            const __m256i prod =
+                _mm256_maddubs_epi16(_mm256_abs_epi8(w[p]), _mm256_sign_epi8(xb, w[p]));
+            isum[p][h][i] = _mm256_add_epi32(isum[p][h][i], _mm256_madd_epi16(prod, ones));
 #endif
-        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[i][b].d)),
-                                 _mm256_cvtepi32_ps(dot), acc[i]);
+          }
+        }
       }
-    }
-    if constexpr (HAS_M) {
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288)));
-      for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[i]);
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* blk = wg[p] + b * bsz;
+      for (int h = 0; h < (SINGLE ? 1 : 2); ++h) {
+        const __m256 d = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 256 + 16 * h)));
+        for (int i = 0; i < MR; ++i) {
+          __m256i dot = SINGLE ? _mm256_add_epi32(isum[p][0][i], isum[p][1][i]) : isum[p][h][i];
+#ifdef CONVOY_VNNI
+          const int32_t xs = SINGLE ? x[i][b].sa + x[i][b].sb : h == 0 ? x[i][b].sa : x[i][b].sb;
+          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * xs));
+#endif
+          acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[i][b].d)),
+                                      _mm256_cvtepi32_ps(dot), acc[p][i]);
+        }
+      }
+      if constexpr (HAS_M) {
+        const __m256 m =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288)));
+        for (int i = 0; i < MR; ++i)
+          acc[p][i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[p][i]);
+      }
     }
   }
 }
 
-template <int MR>
-void panel(int64_t kind, const uint8_t* wg, int64_t nb, const ActBlock* const* x, float* out,
-           int64_t ldo, int64_t lanes) {
-  __m256 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+// P panels (8 * P weight rows, `lanes` of them real) x MR activation rows -> out (MR, ldo)
+template <int MR, int P>
+void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
+           float* out, int64_t ldo, int64_t lanes) {
+  __m256 acc[P][MR];
+  for (int p = 0; p < P; ++p)
+    for (int i = 0; i < MR; ++i) acc[p][i] = _mm256_setzero_ps();
   if (kind == kQ4) {
-    panel_q4<MR>(wg, nb, x, acc);
+    panel_q4<MR, P>(wg, nb, x, acc);
+  } else if (kind == kQ8S) {
+    panel_q8<MR, P, false, true>(wg, nb, x, acc);
   } else if (kind == kQ8) {
-    panel_q8<MR, false>(wg, nb, x, acc);
+    panel_q8<MR, P, false, false>(wg, nb, x, acc);
   } else {
-    panel_q8<MR, true>(wg, nb, x, acc);
+    panel_q8<MR, P, true, false>(wg, nb, x, acc);
   }
-  for (int i = 0; i < MR; ++i) {
-    if (lanes == R) {
-      _mm256_storeu_ps(out + i * ldo, acc[i]);
-    } else {
-      alignas(32) float tmp[R];
-      _mm256_store_ps(tmp, acc[i]);
-      std::memcpy(out + i * ldo, tmp, sizeof(float) * lanes);
+  for (int p = 0; p < P; ++p)
+    for (int i = 0; i < MR; ++i) {
+      const int64_t n = std::min<int64_t>(R, lanes - p * R);
+      if (n == R) {
+        _mm256_storeu_ps(out + i * ldo + p * R, acc[p][i]);
+      } else if (n > 0) {
+        alignas(32) float tmp[R];
+        _mm256_store_ps(tmp, acc[p][i]);
+        std::memcpy(out + i * ldo + p * R, tmp, sizeof(float) * n);
+      }
     }
-  }
 }
 #else   // portable: the same integer dots and the same float steps, one lane at a time
-template <int MR>
-void panel(int64_t kind, const uint8_t* wg, int64_t nb, const ActBlock* const* x, float* out,
-           int64_t ldo, int64_t lanes) {
+template <int MR, int P>
+void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
+           float* out, int64_t ldo, int64_t lanes) {
   const int64_t bsz = kind_block_bytes(kind);
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < lanes; ++r) {
+    for (int64_t n = 0; n < lanes; ++n) {
+      const int r = static_cast<int>(n % R);
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wg + b * bsz;
+        const uint8_t* blk = wg[n / R] + b * bsz;
         const ActBlock& a = x[i][b];
         float d0, d1, m;
         panel_scales(blk, kind, r, d0, d1, m);
         int dot_a = 0, dot_b = 0;
         for (int j = 0; j < 16; ++j) dot_a += panel_quant(blk, kind, r, j) * a.q[j];
         for (int j = 16; j < QK; ++j) dot_b += panel_quant(blk, kind, r, j) * a.q[j];
-        if (kind == kQ4) {
+        if (kind == kQ4 || kind == kQ8S) {
           acc = std::fma(d0 * a.d, static_cast<float>(dot_a + dot_b), acc);
         } else {
           acc = std::fma(d0 * a.d, static_cast<float>(dot_a), acc);
           acc = std::fma(d1 * a.d, static_cast<float>(dot_b), acc);
         }
-        if (kind != kQ8) acc = std::fma(m, a.s, acc);
+        if (kind == kQ4 || kind == kQ8M) acc = std::fma(m, a.s, acc);
       }
-      out[i * ldo + r] = acc;
+      out[i * ldo + n] = acc;
     }
 }
 #endif
+
+#ifdef CONVOY_VNNI
+constexpr int64_t kP = 2;  // weight panels per register tile
+#else
+constexpr int64_t kP = 1;  // AVX2 has 16 registers: one panel's accumulators fill them
+#endif
+
+template <int P>
+void run_tile(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* rows,
+              int64_t cnt, float* o, int64_t ldo, int64_t lanes) {
+  switch (cnt) {
+    case 4: panel<4, P>(kind, wg, nb, rows, o, ldo, lanes); break;
+    case 3: panel<3, P>(kind, wg, nb, rows, o, ldo, lanes); break;
+    case 2: panel<2, P>(kind, wg, nb, rows, o, ldo, lanes); break;
+    default: panel<1, P>(kind, wg, nb, rows, o, ldo, lanes); break;
+  }
+}
 
 // x (M, K) fp32 @ panels (N rows) -> (M, N) fp32 (+ bias)
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
@@ -547,18 +609,19 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
     const int64_t m1 = std::min(M, m0 + kTileM);
     at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
       const ActBlock* rows[kMR];
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t lanes = std::min<int64_t>(R, N - g * R);
+      const uint8_t* wg[kP];
+      for (int64_t g = g0; g < g1; g += kP) {
+        const int64_t np = std::min(kP, g1 - g);
+        const int64_t lanes = std::min<int64_t>(R * np, N - g * R);
+        for (int64_t p = 0; p < np; ++p) wg[p] = wp + (g + p) * gstride;
         for (int64_t mi = m0; mi < m1; mi += kMR) {
           const int64_t cnt = std::min(kMR, m1 - mi);
           for (int64_t i = 0; i < cnt; ++i) rows[i] = xq.data() + (mi + i) * nb;
           float* o = op + mi * N + g * R;
-          const uint8_t* wg = wp + g * gstride;
-          switch (cnt) {
-            case 4: panel<4>(kind, wg, nb, rows, o, N, lanes); break;
-            case 3: panel<3>(kind, wg, nb, rows, o, N, lanes); break;
-            case 2: panel<2>(kind, wg, nb, rows, o, N, lanes); break;
-            default: panel<1>(kind, wg, nb, rows, o, N, lanes); break;
+          if (np == kP) {
+            run_tile<kP>(kind, wg, nb, rows, cnt, o, N, lanes);
+          } else {
+            run_tile<1>(kind, wg, nb, rows, cnt, o, N, lanes);
           }
         }
       }
