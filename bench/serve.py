@@ -50,6 +50,7 @@ class ServerProcess:
         cmd = [
             sys.executable, "-m", "convoy.cli", "serve", args.model, "--port", str(self.port),
             "--dtype", args.dtype, "--device", args.device, "--log-level", "warning",
+            *getattr(args, "serve_args", []),
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != "CONVOY_API_KEY"}
         self.proc = subprocess.Popen(cmd, env=env)

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from convoy.config import (
@@ -96,11 +97,27 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_config_arguments(
         serve, (leaf for leaf in leaf_fields(ServerConfig) if leaf.name != "model")
     )
-    # The key may come from the environment rather than the command line.
-    serve.set_defaults(
-        api_key=os.environ.get("CONVOY_API_KEY") or _leaf(ServerConfig, "api_key").default
+    serve.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="read the API key from this file, so it does not show in `ps` (as $CONVOY_API_KEY)",
     )
     return serve
+
+
+def _api_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """--api-key, else --api-key-file's content, else $CONVOY_API_KEY (else no key)."""
+    if args.api_key_file is None:
+        return args.api_key or os.environ.get("CONVOY_API_KEY") or None
+    if args.api_key:
+        parser.error("give --api-key or --api-key-file, not both")
+    try:
+        key = Path(args.api_key_file).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        parser.error(f"--api-key-file: cannot read {args.api_key_file}: {e}")
+    if not key:
+        parser.error(f"--api-key-file: {args.api_key_file} is empty")
+    return key
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -123,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
     values = {leaf.name: getattr(args, leaf.name) for leaf in leaf_fields(ServerConfig)}
     values["model"] = args.model_flag or args.model
-    values["api_key"] = values["api_key"] or None
+    values["api_key"] = _api_key(args, parser)
     try:
         return ServerConfig.from_kwargs(**values)
     except ConfigError as e:

@@ -362,12 +362,24 @@ class ServerConfig(_Config):
     max_prompts_per_request: int = setting(
         1024, "longest `prompt` list in one request (more: 400)", kind="positive"
     )
-    max_queue: int | None = setting(
-        None,
-        "answer 429 while this many engine requests (one per prompt) are in flight (default: unlimited)",
+    max_seqs_per_request: int = setting(
+        4096,
+        "most sequences one request may start: prompts x max(n, best_of) (more: 400 naming n)",
+        kind="positive",
+    )
+    max_queue_seqs: int = setting(
+        8192,
+        "sequences admitted and not finished, all requests together; a request that would pass"
+        " it answers 429 with Retry-After (at least --max-seqs-per-request)",
         kind="positive",
     )
     max_request_bytes: int = setting(32 << 20, "larger request bodies answer 413", kind="size")
+    request_body_timeout: int = setting(
+        60,
+        "seconds a request body may send no bytes before the server answers 408 and closes the"
+        " connection",
+        kind="positive",
+    )
     log_level: str = setting(
         "info", "server log level (info: one line per request)", choices=LOG_LEVELS
     )
@@ -375,3 +387,8 @@ class ServerConfig(_Config):
     def _validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queue_seqs < self.max_seqs_per_request:  # else a valid request never fits
+            raise ConfigError(
+                f"max_queue_seqs ({self.max_queue_seqs}) must be at least max_seqs_per_request"
+                f" ({self.max_seqs_per_request})"
+            )

@@ -1,11 +1,22 @@
-"""SamplingParams: how one prompt is continued. Validated on construction."""
+"""SamplingParams: how one prompt is continued. Validated on construction.
+
+The list bounds below exist because stop strings, stop token ids and biases are scanned per token
+per sequence: an unbounded list in one request would slow every step of every other request.
+"""
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; eval harnesses send vLLM more
+MAX_STOP_CHARS = 1024  # per stop string; a stream holds back this many characters at most
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
+MAX_REPETITION_PENALTY = 2.0  # (0, 2]: above 2 a repeated token is all but banned already
 
 
 class SamplingParamsError(ValueError):
@@ -45,6 +56,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (echo / scoring)
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Prefix-cache isolation: only requests with the same salt share cached prompt blocks.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +77,8 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def _validate(self) -> None:
+        for name in _FLOAT_FIELDS:
+            _check(math.isfinite(getattr(self, name)), f"{name} must be a finite number", name)
         _check(self.n >= 1, "n must be at least 1", "n")
         if self.best_of is not None:
             _check(self.best_of >= self.n, "best_of must be greater than or equal to n", "best_of")
@@ -82,14 +97,11 @@ class SamplingParams:
             "frequency_penalty",
         )
         _check(
-            self.repetition_penalty > 0, "repetition_penalty must be positive", "repetition_penalty"
+            0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]",
+            "repetition_penalty",
         )
-        for token_id, bias in (self.logit_bias or {}).items():
-            _check(
-                -100 <= bias <= 100,
-                f"logit_bias for {token_id} must be in [-100, 100]",
-                "logit_bias",
-            )
+        self._validate_lists()
         if self.max_tokens is not None:
             _check(self.max_tokens >= 0, "max_tokens must be non-negative", "max_tokens")
             _check(
@@ -102,6 +114,45 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check(0 <= value <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}]", name)
+
+    def _validate_lists(self) -> None:
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            f"stop may hold at most {MAX_STOP_STRINGS} strings",
+            "stop",
+        )
+        _check(
+            all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+            f"each stop string may be at most {MAX_STOP_CHARS} characters",
+            "stop",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids",
+            "stop_token_ids",
+        )
+        bias = self.logit_bias or {}
+        _check(
+            len(bias) <= MAX_LOGIT_BIAS,
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries",
+            "logit_bias",
+        )
+        for token_id, value in bias.items():
+            _check(
+                -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE,  # also rejects NaN
+                f"logit_bias for {token_id} must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}]",
+                "logit_bias",
+            )
+
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def _check(ok: bool, message: str, param: str) -> None:

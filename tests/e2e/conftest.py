@@ -24,7 +24,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from tests.e2e.helpers import API_KEY, MODEL
 
-MAX_QUEUE = 64
+MAX_QUEUE = 64  # sequences in flight; also the most one request may start
 MAX_REQUEST_BYTES = 1 << 20
 STARTUP_TIMEOUT_S = 300  # first start converts the GGUF; later starts take seconds
 SHUTDOWN_TIMEOUT_S = 60
@@ -110,7 +110,8 @@ def stop_server(server: Server) -> None:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args = [
         MODEL, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "256MiB",
-        "--max-queue", str(MAX_QUEUE), "--max-request-bytes", str(MAX_REQUEST_BYTES),
+        "--max-queue-seqs", str(MAX_QUEUE), "--max-seqs-per-request", str(MAX_QUEUE),
+        "--max-request-bytes", str(MAX_REQUEST_BYTES),
     ]  # fmt: skip
     server = start_server(args, tmp_path_factory.mktemp("server"))
     try:

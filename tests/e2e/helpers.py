@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import httpx
 from openai.types import Completion
 
 API_KEY = "sk-convoy-e2e"
@@ -61,3 +62,14 @@ def merge_stream(chunks: Iterable[Any]) -> tuple[dict[int, str], dict[int, str |
         out[choice.index] = out.get(choice.index, "") + choice.text
         finish[choice.index] = choice.finish_reason
     return out, finish, usage
+
+
+def error_object(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The OpenAI error object of a response that must have `status`."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert list(body) == ["error"]
+    error: dict[str, Any] = body["error"]
+    assert list(error) == ["message", "type", "param", "code"]
+    assert isinstance(error["message"], str) and error["message"]
+    return error

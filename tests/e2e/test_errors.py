@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import MAX_REQUEST_BYTES, Server
-from tests.e2e.helpers import MODEL, PROMPTS, complete
+from tests.e2e.helpers import MODEL, PROMPTS, complete, error_object
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 # Placeholders for prompts sized from the server's context length (read from /v1/models).
@@ -18,14 +18,7 @@ FILLS_CONTEXT = "<a prompt of max_model_len tokens>"
 NEARLY_FILLS_CONTEXT = "<a prompt of max_model_len - 4 tokens>"
 
 
-def _error(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert list(body) == ["error"]
-    error: dict[str, Any] = body["error"]
-    assert list(error) == ["message", "type", "param", "code"]
-    assert isinstance(error["message"], str) and error["message"]
-    return error
+_error = error_object
 
 
 BAD_COMPLETIONS = [

@@ -30,7 +30,7 @@ def test_completion_and_chat_serving_run_without_http() -> None:
     async def scenario() -> None:
         engine = AsyncEngine(EngineConfig(dtype="float32"))
         await engine.start()
-        client = EngineClient(engine, "m", ServingLimits(max_prompts_per_request=8, max_queue=None))
+        client = EngineClient(engine, "m", ServingLimits(max_prompts_per_request=8))
         completions, chat = CompletionServing(client), ChatServing(client)
         body = {"prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         full = await completions.create(CompletionRequest(**body))

@@ -44,7 +44,7 @@ def convoy_greedy(
         for i, p in enumerate(prompts)
     ]
     out = runner.execute(seqs)
-    prefill_logits = [pl for pl in out.prompt_logits if pl is not None]
+    prefill_logits = [runner.compute_logits(h) for h in out.prompt_hidden if h is not None]
     tokens = [[int(t)] for t in out.logits.argmax(-1)]
     for _ in range(steps - 1):
         seqs = [

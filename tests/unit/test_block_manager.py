@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 from convoy.engine.block_manager import BlockManager, hash_prompt_blocks
 from convoy.engine.request import Request
 from convoy.sampling_params import SamplingParams
@@ -11,7 +14,7 @@ BS = 4
 
 def _req(req_id: str, tokens: list[int], **params: object) -> Request:
     req = Request(req_id, tokens, SamplingParams(**params), group_id=req_id, arrival=0.0)  # type: ignore[arg-type]
-    req.block_hashes = hash_prompt_blocks(tokens, BS)
+    req.block_hashes = hash_prompt_blocks(tokens, BS, req.params.cache_salt)
     return req
 
 
@@ -101,3 +104,51 @@ def test_prompt_logprobs_requests_bypass_the_cache() -> None:
     a.num_computed_tokens = 9
     bm.cache_computed(a)
     assert bm.get_computed_blocks(_req("b", list(range(9)), prompt_logprobs=0)) == []
+
+
+def _cached(bm: BlockManager, req_id: str, tokens: list[int], **params: object) -> Request:
+    """A request whose prompt is computed and registered in the prefix cache."""
+    req = _req(req_id, tokens, **params)
+    assert bm.allocate(req, req.num_tokens)
+    req.num_computed_tokens = req.num_tokens
+    bm.cache_computed(req)
+    return req
+
+
+def test_block_keys_are_chained_sha256_digests() -> None:
+    tokens = list(range(10))
+    keys = hash_prompt_blocks(tokens, BS)
+    assert len(keys) == 2  # the partial last block has no key
+    first = hashlib.sha256(bytes(32) + array("q", tokens[:4]).tobytes()).digest()
+    assert keys[0] == first
+    assert keys[1] == hashlib.sha256(first + array("q", tokens[4:8]).tobytes()).digest()
+    # A different first block changes every later key, though the later tokens are the same.
+    other = hash_prompt_blocks([99] + tokens[1:], BS)
+    assert other[0] != keys[0] and other[1] != keys[1]
+    # Large token ids are keyed in full (no truncation to a small int).
+    assert hash_prompt_blocks([2**40] * 4, BS) != hash_prompt_blocks([0] * 4, BS)
+
+
+def test_cache_salt_isolates_prefixes() -> None:
+    bm = BlockManager(32, BS)
+    header = list(range(8))
+    _cached(bm, "a", header + [50], cache_salt="tenant-a")
+    assert len(bm.get_computed_blocks(_req("same", header + [60], cache_salt="tenant-a"))) == 2
+    assert bm.get_computed_blocks(_req("other", header + [60], cache_salt="tenant-b")) == []
+    assert bm.get_computed_blocks(_req("unsalted", header + [60])) == []
+    # ... and the other way round: an unsalted prefix serves unsalted requests only.
+    _cached(bm, "b", header + [70])
+    assert len(bm.get_computed_blocks(_req("plain", header + [80]))) == 2
+    assert bm.get_computed_blocks(_req("salted", header + [80], cache_salt="tenant-b")) == []
+    assert hash_prompt_blocks(header, BS, "x") != hash_prompt_blocks(header, BS, "y")
+
+
+def test_hit_tokens_are_counted() -> None:
+    bm = BlockManager(16, BS)
+    header = list(range(8))
+    _cached(bm, "a", header + [1])
+    assert bm.num_hit_tokens == 0
+    b = _req("b", header + [2])
+    hits = bm.get_computed_blocks(b)
+    assert bm.allocate(b, 1, hits)
+    assert bm.num_hit_tokens == 8

@@ -68,7 +68,8 @@ def test_historical_flag_names_still_parse() -> None:
             "--max-model-len=128",
             "--kv-cache-memory=1GiB",
             "--max-prompts-per-request=5",
-            "--max-queue=7",
+            "--max-seqs-per-request=7",
+            "--max-queue-seqs=9",
             "--max-request-bytes=1MiB",
             "--log-level=debug",
             "--host=0.0.0.0",
@@ -79,7 +80,8 @@ def test_historical_flag_names_still_parse() -> None:
     assert s.engine.scheduler == SchedulerConfig(3, 64, 128)
     assert s.engine.cache.kv_cache_memory == 1 << 30
     assert (s.served_model_name, s.api_key, s.max_prompts_per_request) == ("m", "k", 5)
-    assert (s.max_queue, s.max_request_bytes, s.log_level) == (7, 1 << 20, "debug")
+    assert (s.max_seqs_per_request, s.max_queue_seqs) == (7, 9)
+    assert (s.max_request_bytes, s.log_level) == (1 << 20, "debug")
     assert (s.host, s.port) == ("0.0.0.0", 9000)
     assert parse_serve_args(["--model", "other"]).engine.model == "other"
 
@@ -121,6 +123,7 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ["--device", "tpu"],
         ["--log-level", "loud"],
         ["--port", "99999999"],
+        ["--max-queue-seqs", "100"],  # below --max-seqs-per-request's default
     ],
 )
 def test_bad_flags_exit(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,8 +140,10 @@ def test_from_kwargs() -> None:
     assert config.cache == CacheConfig(block_size=8)
     assert config.scheduler == SchedulerConfig(max_num_seqs=4)
     assert EngineConfig.from_kwargs() == EngineConfig()
-    server = ServerConfig.from_kwargs(max_queue=3, enable_prefix_caching=False)
-    assert server.max_queue == 3 and not server.engine.cache.enable_prefix_caching
+    server = ServerConfig.from_kwargs(
+        max_seqs_per_request=3, max_queue_seqs=3, enable_prefix_caching=False
+    )
+    assert server.max_queue_seqs == 3 and not server.engine.cache.enable_prefix_caching
     with pytest.raises(TypeError, match="num_blocks"):
         EngineConfig.from_kwargs(num_blocks=4)
     with pytest.raises(TypeError, match="seed"):
@@ -155,6 +160,14 @@ def test_leaf_names_unique_and_validation() -> None:
         EngineConfig(device="tpu")
     with pytest.raises(ConfigError):
         ServerConfig(max_request_bytes=0)
+
+
+def test_queue_bound_holds_at_least_one_request() -> None:
+    defaults = ServerConfig()
+    assert (defaults.max_seqs_per_request, defaults.max_queue_seqs) == (4096, 8192)
+    ServerConfig(max_seqs_per_request=8, max_queue_seqs=8)
+    with pytest.raises(ConfigError, match="max_queue_seqs"):
+        ServerConfig(max_seqs_per_request=8, max_queue_seqs=7)
 
 
 @pytest.mark.parametrize(

@@ -157,3 +157,37 @@ def test_finish_requests_frees_waiting_and_running_sequences() -> None:
     assert all(r.finish_reason == FinishReason.ABORT for r in ended)
     assert not eng.sched.has_work() and eng.bm.num_used_blocks == 0
     assert eng.sched.finish_requests([running.req_id], FinishReason.STOP) == []  # once only
+
+
+def test_aborting_20k_waiting_sequences_frees_them_and_keeps_the_order_of_the_rest() -> None:
+    """A client dropping a huge request: every sequence leaves at once (no search of the queue
+    per sequence), none runs again, and the sequences left are admitted in arrival order."""
+    eng = FakeEngine(num_blocks=512, max_seqs=4, max_tokens=64)
+    big = [_req("big", 4, max_tokens=2) for _ in range(20_000)]
+    small = [_req("small", 4, max_tokens=2) for _ in range(6)]
+    for r in big + small:
+        eng.sched.add_request(r)
+    eng.step()
+    kept = big[::2000]  # ten survivors spread through the queue
+    survivors = set(kept)
+    aborted = [r for r in big if r not in survivors]
+    waiting_before = [r for r in kept + small if r.status == RequestStatus.WAITING]
+    # Newest first: the worst order for a queue that is searched from its head.
+    ids = [r.req_id for r in reversed(aborted)]
+    assert eng.sched.finish_requests(ids, FinishReason.ABORT) == aborted[::-1]
+    assert all(r.status == RequestStatus.FINISHED and not r.block_table for r in aborted)
+    assert all(r.finish_reason == FinishReason.ABORT for r in aborted)
+    assert eng.sched.num_waiting == len(waiting_before)
+    admitted: list[Request] = []
+    while eng.sched.has_work():
+        for req, _ in eng.step():
+            if req not in admitted:
+                admitted.append(req)
+    assert not set(admitted) & set(aborted)
+    newly = [r for r in admitted if r in waiting_before]
+    for group in ("big", "small"):
+        assert [r for r in newly if r.group_id == group] == [
+            r for r in waiting_before if r.group_id == group
+        ]
+    assert all(r.finish_reason == FinishReason.LENGTH for r in kept + small)
+    assert eng.bm.num_used_blocks == 0 and eng.sched.num_waiting == 0

@@ -1,9 +1,15 @@
-"""What both generation routes need from the engine: checks before any work, and fan-out.
+"""What both generation routes need from the engine: checks before any work, admission, fan-out.
 
 One API request with P prompts becomes P engine requests `{api_id}-{i}`, all started at once so
 they batch inside the engine; their outputs are merged into one stream of (prompt index, output)
 in arrival order. Closing that stream (client gone) cancels every sub-request, which aborts it in
 the engine and frees its KV blocks.
+
+Admission counts sequences (prompts x max(n, best_of)), not requests: one request may start at
+most `max_seqs_per_request` (more: 400), and all requests together hold at most `max_queue_seqs`
+(more: 429 with Retry-After). A request reserves all its sequences in one synchronous step (no
+await between the check and the reservation, so concurrent requests cannot race past the bound)
+and gives each engine request's share back when that request ends.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ from convoy.outputs import RequestOutput
 from convoy.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from convoy.config import ServerConfig
     from convoy.engine.async_engine import AsyncEngine
     from convoy.engine.request import EngineRequest
     from convoy.engine.tokenizer import Tokenizer
+
+RETRY_AFTER_S = 1  # sequences finish continuously; a short wait is usually enough
 
 
 @dataclass(slots=True)
@@ -33,10 +42,43 @@ class Prompt:
 
 @dataclass(slots=True)
 class ServingLimits:
-    """The server's admission limits (defaults: ServerConfig)."""
+    """The server's admission limits (defaults: ServerConfig; None = unbounded)."""
 
     max_prompts_per_request: int
-    max_queue: int | None  # engine requests in flight before answering 429
+    max_seqs_per_request: int | None = None  # prompts x max(n, best_of) in one request
+    max_queue_seqs: int | None = None  # sequences in flight, all requests together
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> ServingLimits:
+        return cls(
+            config.max_prompts_per_request, config.max_seqs_per_request, config.max_queue_seqs
+        )
+
+
+class _Admission:
+    """The engine requests and sequences one API request holds; given back as they end."""
+
+    __slots__ = ("client", "num_requests", "num_seqs")
+
+    def __init__(self, client: EngineClient, num_requests: int, num_seqs: int) -> None:
+        self.client, self.num_requests, self.num_seqs = client, num_requests, num_seqs
+        client.num_in_flight += num_requests
+        client.num_seqs_in_flight += num_seqs
+
+    def release(self, num_requests: int, num_seqs: int) -> None:
+        num_requests, num_seqs = min(num_requests, self.num_requests), min(num_seqs, self.num_seqs)
+        self.num_requests -= num_requests
+        self.num_seqs -= num_seqs
+        self.client.num_in_flight -= num_requests
+        self.client.num_seqs_in_flight -= num_seqs
+
+    def release_all(self) -> None:
+        self.release(self.num_requests, self.num_seqs)
+
+    def __del__(self) -> None:
+        # NOTE: a stream dropped before its first read (client gone before the response started)
+        # never runs its generator's `finally`; dropping it drops this, which gives all back.
+        self.release_all()
 
 
 _END = object()
@@ -49,7 +91,8 @@ class EngineClient:
         self.engine = engine
         self.served_model_name = served_model_name
         self.limits = limits
-        self.num_in_flight = 0  # engine requests started and not yet finished
+        self.num_in_flight = 0  # engine requests admitted and not yet finished (a /metrics gauge)
+        self.num_seqs_in_flight = 0  # their sequences: what max_queue_seqs bounds
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -66,14 +109,35 @@ class EngineClient:
                 404, f"the model {model!r} does not exist", param="model", code="model_not_found"
             )
 
-    def check_capacity(self) -> None:
-        limit = self.limits.max_queue
-        if limit is not None and self.num_in_flight >= limit:
+    def check_capacity(self, num_seqs: int = 1) -> None:
+        """429 unless `num_seqs` more sequences fit in the queue bound now."""
+        limit = self.limits.max_queue_seqs
+        if limit is not None and self.num_seqs_in_flight + num_seqs > limit:
             raise APIError(
                 429,
-                f"the server is at capacity ({self.num_in_flight} requests queued); retry later",
+                f"the server is at capacity ({self.num_seqs_in_flight} of {limit} sequences in"
+                f" flight, this request needs {num_seqs}); retry later",
                 code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+
+    def check_num_seqs(self, num_prompts: int, params: SamplingParams, param: str) -> None:
+        """400 when prompts x max(n, best_of) passes max_seqs_per_request, naming the larger of
+        best_of and n (or `param`, the prompt, when each prompt is one sequence)."""
+        limit = self.limits.max_seqs_per_request
+        num_seqs = num_prompts * params.num_seqs
+        if limit is None or num_seqs <= limit:
+            return
+        if params.best_of is not None and params.best_of > params.n:
+            field = "best_of"
+        else:
+            field = "n" if params.n > 1 else param
+        raise APIError(
+            400,
+            f"{num_prompts} prompt(s) x {params.num_seqs} sequence(s) each ({field}) is"
+            f" {num_seqs} sequences, more than the limit of {limit} per request",
+            param=field,
+        )
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """Token ids from a client (e.g. /detokenize) must lie in the model's vocabulary."""
@@ -86,6 +150,7 @@ class EngineClient:
 
         Prompt i becomes engine request `{api_id}-{i}`; all share the group `api_id`.
         """
+        self.check_num_seqs(len(prompts), params, param)
         return [
             self.engine.frontend.inputs.process(
                 p.token_ids,
@@ -99,12 +164,23 @@ class EngineClient:
             for i, p in enumerate(prompts)
         ]
 
-    async def generate(
+    def generate(
         self, requests: list[EngineRequest], record: RequestRecord
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """Run every prompt as its own engine request; yield (prompt index, output) as they come."""
+        """Admit every prompt's sequences at once (or raise 429 now, before any response is
+        started), then run each prompt as its own engine request; the returned stream yields
+        (prompt index, output) as they come."""
+        num_seqs = sum(r.params.num_seqs for r in requests)
+        self.check_capacity(num_seqs)
+        return self._run(requests, record, _Admission(self, len(requests), num_seqs))
+
+    async def _run(
+        self, requests: list[EngineRequest], record: RequestRecord, admission: _Admission
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(queue, i, r)) for i, r in enumerate(requests)]
+        tasks = [
+            asyncio.create_task(self._pump(queue, i, r, admission)) for i, r in enumerate(requests)
+        ]
         try:
             num_running = len(tasks)
             while num_running:
@@ -124,14 +200,15 @@ class EngineClient:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            admission.release_all()  # pumps cancelled before they started gave nothing back
 
     async def _pump(
         self,
         queue: asyncio.Queue[tuple[int, object]],
         index: int,
         request: EngineRequest,
+        admission: _Admission,
     ) -> None:
-        self.num_in_flight += 1
         try:
             async for out in self.engine.generate(request):
                 queue.put_nowait((index, out))
@@ -139,7 +216,7 @@ class EngineClient:
         except Exception as e:  # noqa: BLE001 - hand it to the consumer, which re-raises it
             queue.put_nowait((index, e))
         finally:
-            self.num_in_flight -= 1
+            admission.release(1, request.params.num_seqs)
 
 
 def new_id(prefix: str) -> str:

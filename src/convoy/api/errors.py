@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from convoy.api.protocol import ErrorInfo, ErrorResponse
+from convoy.engine.errors import EngineError, EngineStepError, EngineUnavailableError
 from convoy.engine.tokenizer import TemplateError
 from convoy.sampling_params import SamplingParamsError
 
@@ -36,13 +37,19 @@ class APIError(Exception):
     """An error answered with an HTTP status and an OpenAI error object."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,  # e.g. Retry-After on a 429
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code if code is not None else _CODES.get(status)
+        self.headers = headers
 
     def to_response(self) -> ErrorResponse:
         err_type = _TYPES.get(self.status, "invalid_request_error")
@@ -78,6 +85,10 @@ def from_exception(exc: Exception) -> APIError:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, TemplateError):
         return APIError(400, str(exc), param="messages")
+    if isinstance(exc, EngineUnavailableError):  # dead or shutting down: another server may serve
+        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, EngineStepError):  # messages are written for clients; causes are logged
+        return APIError(500, str(exc), code="internal_error")
     return APIError(500, "internal server error")
 
 
@@ -113,7 +124,8 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every failure through the OpenAI error shape."""
 
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_json(from_exception(exc))
+        err = from_exception(exc)
+        return error_json(err, err.headers)
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -137,6 +149,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(SamplingParamsError, on_api_error)
     app.add_exception_handler(TemplateError, on_api_error)
+    app.add_exception_handler(EngineError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)

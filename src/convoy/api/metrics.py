@@ -1,7 +1,8 @@
 """Prometheus metrics and the per-request record behind the one INFO log line per request.
 
 Engine figures (running and waiting sequences, KV blocks, token totals) are read from
-`engine.stats()` when /metrics is scraped, so they cannot drift from the engine's own counts.
+`engine.stats()` when /metrics is scraped: a snapshot of the engine's own counts that the engine
+thread takes after each step (reading its live dicts from here would race with that thread).
 HTTP figures (requests by route and status, latency histograms) are recorded by the server.
 """
 
@@ -75,6 +76,11 @@ class _EngineCollector(Collector):
             "convoy_generation_tokens", "Generation tokens produced.", s.num_generation_tokens
         )
         yield _counter("convoy_preemptions", "Sequences preempted.", s.num_preemptions)
+        yield _counter(
+            "convoy_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache.",
+            s.num_prefix_cache_hit_tokens,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -1,4 +1,4 @@
-"""Plain ASGI middleware: request log + metrics, API key, body size limit.
+"""Plain ASGI middleware: request log + metrics, API key, body size limit and read timeout.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which buffers streaming responses through
 an extra task and hides client disconnects from the route.
@@ -6,12 +6,14 @@ an extra task and hides client disconnects from the route.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 import uuid
 from typing import Any
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from convoy.api.errors import APIError, BodyTooLarge, error_body_bytes
@@ -71,20 +73,37 @@ class RequestLogMiddleware:
             )
 
 
+class BodyReadTimeout(StarletteHTTPException):
+    """A request body sent no bytes for the read timeout: 408, and the connection is closed.
+
+    NOTE: an HTTPException, as BodyTooLarge, so the route that was reading the body lets it
+    through to the error handlers.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        message = f"the request body sent nothing for {timeout_s:g} s"
+        super().__init__(408, message, headers={"Connection": "close"})
+
+
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route except the health check."""
+    """`Authorization: Bearer <key>` on every route except the health check.
+
+    The scheme is case-insensitive (RFC 9110: `bearer KEY` too); the key itself is never logged.
+    """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
         # NOTE: constant-time comparison, so the key cannot be guessed byte by byte from timing.
-        if not hmac.compare_digest(given, self.expected):
+        is_valid = hmac.compare_digest(token.strip(b" "), self.expected)
+        if not (is_valid and scheme.lower() == b"bearer"):
             message = "missing API key" if not given else "incorrect API key provided"
             await send_error(send, APIError(401, message))
             return
@@ -92,11 +111,14 @@ class APIKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the limit: by Content-Length up front, else while reading."""
+    """413 for bodies over the limit: by Content-Length up front, else while reading (chunked
+    bodies too); 408 for a body that sends nothing for `read_timeout` seconds (a slow client
+    must not hold a connection and its request forever)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -107,14 +129,21 @@ class BodyLimitMiddleware:
             await send_error(send, APIError(413, BodyTooLarge(self.max_bytes).detail))
             return
         num_bytes = 0
+        is_body_read = False
 
         async def limited_receive() -> Message:
-            nonlocal num_bytes
-            message = await receive()
+            nonlocal num_bytes, is_body_read
+            if is_body_read:  # the app now waits for a disconnect, however long that takes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except TimeoutError:
+                raise BodyReadTimeout(self.read_timeout or 0) from None
             if message["type"] == "http.request":
                 num_bytes += len(message.get("body", b""))
                 if num_bytes > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)
+            is_body_read = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited_receive, send)

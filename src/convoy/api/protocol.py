@@ -1,31 +1,78 @@
 """OpenAI wire types: requests, responses, stream chunks and errors, fields in OpenAI's doc order.
 
 Requests ignore unknown fields (as vLLM does) so clients that send newer OpenAI fields keep working.
-Range checks that OpenAI documents live on the fields; checks across fields live in `check()`,
-which raises SamplingParamsError naming the offending field (the server answers 400 with it).
+Request models are strict (a wrong JSON type, e.g. `"n": "2"` or `"echo": "no"`, is a 400 as on
+OpenAI; an integer still fills a float field) and reject non-finite numbers (`NaN`, `Infinity`,
+`1e400`). Range checks and list bounds live on the fields, so `/openapi.json` states them; checks
+across fields live in `check()`, which raises SamplingParamsError naming the offending field (the
+server answers 400 with it).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from convoy.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     RequestOutputKind,
     SamplingParams,
     SamplingParamsError,
 )
 
 MAX_N = 128  # choices per prompt; OpenAI's own cap
+MAX_INT32 = 2**31 - 1  # token counts and top_k: past any context, and safe in int32 tensors
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+
+def _json_form(value: Any) -> str:
+    """The union member a JSON value is meant as, so an error names only that member's problem
+    (a bad list is not also reported as "not a string"). The tags read as types in `loc`."""
+    if not isinstance(value, list):
+        return "str"
+    first = value[0] if value else ""
+    if isinstance(first, list):
+        return "list[list[int]]"
+    return "list[str]" if isinstance(first, str) else "list[int]"
+
+
+TokenId = Annotated[int, Field(ge=0)]  # the upper bound is the model's vocabulary: checked later
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+StopInput = Annotated[
+    Annotated[StopString, Tag("str")]
+    | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS), Tag("list[str]")],
+    Discriminator(_json_form),
+]
+BiasTokenId = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # JSON keys are strings
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]
+LogitBias = Annotated[
+    dict[BiasTokenId, Bias],
+    Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False}),
+]
+PromptInput = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[str], Tag("list[str]")]
+    | Annotated[list[TokenId], Tag("list[int]")]
+    | Annotated[list[list[TokenId]], Tag("list[list[int]]")],
+    Discriminator(_json_form),
+]
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestModel(OpenAIModel):
+    """A request body (or a part of one): strict JSON types, finite numbers, extras ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -45,7 +92,7 @@ class ErrorResponse(OpenAIModel):
 # -- shared ------------------------------------------------------------------------------------
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
@@ -64,30 +111,32 @@ class UsageInfo(OpenAIModel):
         )
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestModel):
     """Fields completions and chat share: OpenAI's, then vLLM's extensions."""
 
     model: str | None = None
     frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     n: int | None = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # int64, as OpenAI's
-    stop: str | list[str] | None = None
+    stop: StopInput | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=1.0, ge=0, le=2)
     top_p: float | None = Field(default=1.0, gt=0, le=1)
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    min_tokens: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_INT32)
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
+    # only requests with the same salt share prefix-cache blocks (tenant isolation)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @property
     def include_usage(self) -> bool:
@@ -119,6 +168,7 @@ class SamplingRequest(OpenAIModel):
             "min_tokens": self.min_tokens or 0,
             "skip_special_tokens": self.skip_special_tokens is not False,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            "cache_salt": self.cache_salt,
         }
 
 
@@ -129,13 +179,10 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """JSON object keys are strings; OpenAI's are token ids."""
+    """JSON object keys are strings (decimal token ids, checked by the field's pattern)."""
     if not bias:
         return None
-    try:
-        return {int(token_id): float(value) for token_id, value in bias.items()}
-    except ValueError:
-        raise SamplingParamsError("logit_bias keys must be token ids", "logit_bias") from None
+    return {int(token_id): float(value) for token_id, value in bias.items()}
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
@@ -146,7 +193,7 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: int | None = Field(default=16, ge=0, le=MAX_INT32)
     suffix: str | None = None
 
     def check(self) -> None:
@@ -211,12 +258,12 @@ class CompletionStreamResponse(OpenAIModel):
 # -- /v1/chat/completions ----------------------------------------------------------------------
 
 
-class ContentPart(OpenAIModel):
+class ContentPart(RequestModel):
     type: str
     text: str | None = None
 
 
-class ChatMessageParam(OpenAIModel):
+class ChatMessageParam(RequestModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -240,8 +287,8 @@ class ChatMessageParam(OpenAIModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
     logprobs: bool | None = False
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -348,7 +395,7 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
     """vLLM's shape: either `prompt` (completions) or `messages` (chat template applied)."""
 
     model: str | None = None
@@ -366,9 +413,9 @@ class TokenizeResponse(OpenAIModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIModel):

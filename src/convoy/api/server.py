@@ -11,13 +11,15 @@ import asyncio
 import importlib.metadata
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError, install_error_handlers
@@ -30,11 +32,13 @@ from convoy.api.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
+from convoy.api.serving_base import off_loop
 from convoy.api.serving_chat import ChatServing, render_chat
 from convoy.api.serving_completion import CompletionServing
 from convoy.api.sse import sse_response
@@ -49,6 +53,13 @@ try:
     VERSION = importlib.metadata.version("convoy")
 except importlib.metadata.PackageNotFoundError:  # running from a source tree, not installed
     VERSION = "0.0.0+unknown"
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+# Request bodies the routes parse themselves (off the event loop), described in /openapi.json.
+BODY_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+)  # fmt: skip
+_SCHEMA_REF = "#/components/schemas/{model}"
 
 
 # Everything `convoy serve` configures: `.engine` (an EngineConfig) plus the server's own fields.
@@ -68,7 +79,7 @@ def _lifespan(settings: ServerSettings, engine: AsyncEngine | None, metrics: Ser
             engine = await asyncio.to_thread(AsyncEngine, settings.engine)
         await engine.start()
         name = settings.served_model_name or engine.model_name
-        limits = ServingLimits(settings.max_prompts_per_request, settings.max_queue)
+        limits = ServingLimits.of(settings)
         client = EngineClient(engine, name, limits)
         metrics.attach_engine(engine.stats, lambda: client.num_in_flight)
         app.state.engine, app.state.client = engine, client
@@ -94,14 +105,79 @@ def build_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> Fa
         lifespan=_lifespan(settings, engine, metrics),
     )
     install_error_handlers(app)
+    _describe_bodies(app)
     # Added innermost first: the request log wraps everything, so 401 and 413 are logged too.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_request_bytes,
+        read_timeout=settings.request_body_timeout,
+    )
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestLogMiddleware, metrics=metrics)
     _add_generation_routes(app)
     _add_info_routes(app, metrics)
     return app
+
+
+def _describe_bodies(app: FastAPI) -> None:
+    """Put the BODY_MODELS' schemas (validation mode, as FastAPI would) in /openapi.json.
+
+    The routes take the raw body rather than a model parameter, so FastAPI does not see them;
+    each route's requestBody refers to its model there (`_docs`).
+    """
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = FastAPI.openapi(app)
+        _, defs = models_json_schema(
+            [(m, "validation") for m in BODY_MODELS], ref_template=_SCHEMA_REF
+        )
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, sub in defs.get("$defs", {}).items():
+            if schemas.setdefault(name, sub) != sub:  # a response model of the same name
+                raise RuntimeError(f"two different OpenAPI schemas named {name}")
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+_STREAMS = "JSON, or `text/event-stream` when stream is true"
+
+
+def _docs(model: type[BaseModel], body: type[BaseModel], answer: str = "JSON") -> dict[str, Any]:
+    """OpenAPI for a route that parses `body` itself and answers `model` or a 400."""
+    ref = {"$ref": _SCHEMA_REF.format(model=body.__name__)}
+    return {
+        "response_model": None,
+        "responses": {
+            200: {"model": model, "description": answer},
+            400: {"model": ErrorResponse, "description": "invalid request"},
+        },
+        "openapi_extra": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}
+        },
+    }
+
+
+async def parse_body(request: Request, model: type[BodyT]) -> tuple[BodyT, int]:
+    """The body as `model` and its size in bytes; a large body is parsed in a worker thread.
+
+    Invalid bodies raise RequestValidationError, as FastAPI's own body parameters do, so the same
+    handler answers 400 naming the field.
+    """
+    raw = await request.body()
+    if not raw:
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        raise RequestValidationError([missing])
+    try:
+        body = await off_loop(len(raw), model.model_validate_json, raw)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        located = [{**err, "loc": ("body", *err["loc"])} for err in errors]
+        raise RequestValidationError(located) from None
+    return body, len(raw)
 
 
 def _record(request: Request) -> RequestRecord:
@@ -137,22 +213,19 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _ok(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI docs for routes that answer JSON or an SSE stream."""
-    return {
-        200: {"model": model, "description": "JSON, or `text/event-stream` when stream is true"}
-    }
-
-
 def _add_generation_routes(app: FastAPI) -> None:
-    @app.post("/v1/completions", response_model=None, responses=_ok(CompletionResponse))
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        work = app.state.completions.create(body, _record(request))
+    @app.post("/v1/completions", **_docs(CompletionResponse, CompletionRequest, _STREAMS))
+    async def completions(request: Request) -> Response:
+        body, size = await parse_body(request, CompletionRequest)
+        work = app.state.completions.create(body, _record(request), size)
         return await _until_disconnect(request, work)
 
-    @app.post("/v1/chat/completions", response_model=None, responses=_ok(ChatCompletionResponse))
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        work = app.state.chat.create(body, _record(request))
+    @app.post(
+        "/v1/chat/completions", **_docs(ChatCompletionResponse, ChatCompletionRequest, _STREAMS)
+    )
+    async def chat_completions(request: Request) -> Response:
+        body, size = await parse_body(request, ChatCompletionRequest)
+        work = app.state.chat.create(body, _record(request), size)
         return await _until_disconnect(request, work)
 
 
@@ -179,16 +252,15 @@ def _add_info_routes(app: FastAPI, metrics: ServerMetrics) -> None:
         client().check_model(model_id)
         return card()
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return _tokenize(client(), body)
+    @app.post("/tokenize", **_docs(TokenizeResponse, TokenizeRequest))
+    async def tokenize(request: Request) -> Response:
+        body, size = await parse_body(request, TokenizeRequest)
+        return await off_loop(size, _json, _tokenize, client(), body)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        c = client()
-        c.check_model(body.model)
-        c.check_token_ids(body.tokens, "tokens")
-        return DetokenizeResponse(prompt=c.tokenizer.decode(body.tokens))
+    @app.post("/detokenize", **_docs(DetokenizeResponse, DetokenizeRequest))
+    async def detokenize(request: Request) -> Response:
+        body, size = await parse_body(request, DetokenizeRequest)
+        return await off_loop(size, _json, _detokenize, client(), body)
 
     @app.get("/health")
     async def health() -> Response:
@@ -201,6 +273,19 @@ def _add_info_routes(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _json(
+    fn: Callable[[EngineClient, BodyT], BaseModel], client: EngineClient, body: BodyT
+) -> Response:
+    """`fn`'s answer serialized: inside the same worker thread for large bodies."""
+    return Response(fn(client, body).model_dump_json(), media_type="application/json")
+
+
+def _detokenize(client: EngineClient, body: DetokenizeRequest) -> DetokenizeResponse:
+    client.check_model(body.model)
+    client.check_token_ids(body.tokens, "tokens")
+    return DetokenizeResponse(prompt=client.tokenizer.decode(body.tokens))
 
 
 def _tokenize(client: EngineClient, body: TokenizeRequest) -> TokenizeResponse:

@@ -4,15 +4,17 @@ a response model, or to an async iterator of chunk models. No HTTP here.
     create(request) -> check model and fields -> prompts -> engine front door (all prompts,
     before any work) -> capacity -> EngineClient.generate -> collect() | stream()
 
-Routes wrap the result (JSON or SSE); the Batch API calls `create` directly.
+Routes wrap the result (JSON or SSE); the Batch API calls `create` directly. Tokenizing and the
+front door's checks run in a worker thread for large requests (`off_loop`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
@@ -23,10 +25,26 @@ from convoy.api.protocol import UsageInfo
 from convoy.outputs import CompletionOutput, RequestOutput
 from convoy.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from convoy.engine.request import EngineRequest
+
 Outputs = AsyncGenerator[tuple[int, RequestOutput], None]  # (prompt index, output)
 RequestT = TypeVar("RequestT", bound=Any)
 ResponseT = TypeVar("ResponseT", bound=BaseModel)
 ChunkT = TypeVar("ChunkT", bound=BaseModel)
+T = TypeVar("T")
+
+# Request bodies up to this size are parsed and tokenized on the event loop: a thread hop costs
+# more than the work. Larger ones (up to max_request_bytes, 32 MiB) go to a worker thread, since
+# the event loop serves every stream and /health and seconds of tokenizing there stall them all.
+OFF_LOOP_BYTES = 64 << 10
+
+
+async def off_loop(size: int | None, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, in a worker thread unless `size` (bytes of the request body) is small."""
+    if size is not None and size <= OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 @dataclass(slots=True)
@@ -51,19 +69,19 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         self.client = client
 
     async def create(
-        self, request: RequestT, record: RequestRecord | None = None
+        self, request: RequestT, record: RequestRecord | None = None, body_size: int | None = None
     ) -> ResponseT | AsyncGenerator[ChunkT, None]:
         """Check everything, then run every prompt in the engine at once.
 
         Returns the response, or (stream: true) the chunks; `[DONE]` framing is the caller's.
+        `body_size`: the request's size in bytes, if known (unknown counts as large).
         """
+        self.client.engine.check_available()  # a dead engine: 503 now, not inside a 200 stream
         self.client.check_model(request.model)
         request.check()
         params: SamplingParams = request.to_sampling_params()
-        prompts = self.prompts(request)
         api_id = new_id(self.id_prefix)
-        engine_requests = self.client.process(api_id, prompts, params, self.prompt_param)
-        self.client.check_capacity()
+        prompts, engine_requests = await off_loop(body_size, self._prepare, request, params, api_id)
         record = record or RequestRecord(request_id=api_id)
         job = Job(
             api_id, int(time.time()), request, prompts, params.n, record,
@@ -75,6 +93,21 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         if request.stream:
             return self.stream(job, outputs)
         return await self.collect(job, outputs)
+
+    def _prepare(
+        self, request: RequestT, params: SamplingParams, api_id: str
+    ) -> tuple[list[Prompt], list[EngineRequest]]:
+        """Tokenize (through the chat template) and pass the engine's front door: the heavy part."""
+        prompts = self.prompts(request)
+        try:
+            return prompts, self.client.process(api_id, prompts, params, self.prompt_param)
+        except BaseException:
+            # NOTE: free rejected token ids here, one list at a time: the traceback would keep
+            # them until the event loop drops the error, and freeing millions of ids in one go
+            # holds the GIL (and stalls the loop) for a tenth of a second or more.
+            for prompt in prompts:
+                prompt.token_ids = []
+            raise
 
     def prompts(self, request: RequestT) -> list[Prompt]:
         raise NotImplementedError

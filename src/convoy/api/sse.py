@@ -23,7 +23,8 @@ def sse_frame(payload: BaseModel) -> bytes:
 async def sse_events(
     chunks: AsyncGenerator[BaseModel, None], request_id: str
 ) -> AsyncIterator[bytes]:
-    """Frame every chunk; an error after the stream started becomes an error frame.
+    """Frame every chunk; an error after the stream started becomes an error frame (an engine
+    failure too: 500 `internal_error`, or 503 `engine_unavailable` at shutdown).
 
     NOTE: exactly one `[DONE]` ends every stream that was not cut by the client. A client
     disconnect cancels this generator (CancelledError is not an Exception), and `aclosing`
@@ -36,7 +37,10 @@ async def sse_events(
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             err = from_exception(e)
             if err.status >= 500:
-                logger.exception("stream %s failed", request_id)
+                if err.status == 503:  # shutdown or a dead engine: logged once by the engine
+                    logger.warning("stream %s ended: %s", request_id, err.message)
+                else:
+                    logger.exception("stream %s failed", request_id)
                 err.message = f"{err.message} (request id {request_id})"
             yield sse_frame(err.to_response())
     yield DONE

@@ -7,6 +7,12 @@
 The step loop runs in a thread (torch releases the GIL while it computes), so the event loop keeps
 serving HTTP. Every call into the frontend and the core happens on that thread: `generate` and
 `abort` only hand work over under a lock.
+
+Failures end requests, never hang them: a failed step ends the requests it ran with
+EngineStepError and the loop goes on; if the thread dies (anything escaping the loop) every
+waiting request ends with EngineDeadError, and so does every later `generate`. At shutdown the
+requests still in flight end with EngineShutdownError (not with a finish reason `abort`, which
+OpenAI clients do not know).
 """
 
 from __future__ import annotations
@@ -16,16 +22,27 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from convoy.config import EngineConfig
 from convoy.engine.core import EngineCore
+from convoy.engine.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineShutdownError,
+    EngineStepError,
+)
 from convoy.engine.frontend import EngineFrontend
 from convoy.engine.request import EngineRequest
 from convoy.engine.stats import EngineStats
 from convoy.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+_Queue = asyncio.Queue[RequestOutput | BaseException]  # a request's outputs, or what ended it
+_FAILED = "the engine failed while running this request"
+_DEAD = "the engine stopped after an internal error; this server cannot serve requests"
+_SHUTDOWN = "the server is shutting down"
 
 
 class AsyncEngine:
@@ -39,9 +56,12 @@ class AsyncEngine:
         """
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._pending: list[tuple[EngineRequest, asyncio.Queue[RequestOutput | BaseException]]] = []
+        self._pending: list[tuple[EngineRequest, _Queue]] = []
         self._aborts: list[str] = []
+        # Every request whose generate() is still open, by id: what to tell when things fail.
+        self._queues: dict[str, _Queue] = {}
         self._stopping = False
+        self._dead = False
         self._loop: asyncio.AbstractEventLoop | None = None
         loaded = threading.Event()
         failure: list[BaseException] = []
@@ -62,7 +82,8 @@ class AsyncEngine:
             self._wakeup.notify()
 
     async def shutdown(self) -> None:
-        """Stop the step loop after the current step; running requests end with `abort`."""
+        """Stop the step loop after the current step; requests in flight end with
+        EngineShutdownError."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
@@ -71,15 +92,16 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs for one prompt until it finishes (per `params.output_kind`).
 
-        `request` comes from the front door, `self.frontend.inputs.process(...)`.
+        `request` comes from the front door, `self.frontend.inputs.process(...)`. Raises an
+        EngineError subclass when the engine fails the request (see the module docstring).
         Closing the iterator early (client gone, task cancelled) aborts every sequence of it.
         """
         assert self._loop is not None, "AsyncEngine.start() was not called"
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: _Queue = asyncio.Queue()
         with self._wakeup:
-            if self._stopping:
-                raise RuntimeError("engine is shutting down")
+            self._check_available()
             self._pending.append((request, queue))
+            self._queues[request.request_id] = queue
             self._wakeup.notify()
         finished = False
         try:
@@ -90,29 +112,59 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
+            with self._wakeup:
+                self._queues.pop(request.request_id, None)
             if not finished:
                 await self.abort(request.request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request: its sequences leave the batch and free their KV blocks at the next step."""
         with self._wakeup:
+            if self._dead or self._stopping:
+                return  # no step will run again: nothing to free
             self._aborts.append(request_id)
             self._wakeup.notify()
+
+    def check_available(self) -> None:
+        """Raise EngineDeadError / EngineShutdownError if new requests cannot be served (before a stream starts,
+        so that the client gets a status rather than an error inside a 200 stream)."""
+        with self._wakeup:
+            self._check_available()
 
     @property
     def is_running(self) -> bool:
         """Is the step loop alive (for health checks)?"""
-        return self._loop is not None and self._thread.is_alive() and not self._stopping
+        return (
+            self._loop is not None
+            and self._thread.is_alive()
+            and not self._stopping
+            and not self._dead
+        )
 
     def stats(self) -> EngineStats:
-        return self.core.stats()
+        """The counters as of the engine's last step or abort (safe from any thread)."""
+        return self.core.last_stats
 
-    def _put(
-        self, queue: asyncio.Queue[RequestOutput | BaseException], item: RequestOutput
-    ) -> None:
-        """Hand an output (or, on a failed step, an exception) to its coroutine's queue."""
+    def _check_available(self) -> None:
+        """Under the lock."""
+        if self._dead:
+            raise EngineDeadError(_DEAD)
+        if self._stopping:
+            raise EngineShutdownError(_SHUTDOWN)
+
+    def _put(self, queue: _Queue, item: RequestOutput | BaseException) -> None:
+        """Hand an output (or an error ending the request) to its coroutine's queue."""
         assert self._loop is not None
         self._loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _fail(self, request_ids: Iterable[str], make_error: Callable[[], EngineError]) -> None:
+        """End these requests with an error (a fresh one each: an exception raised in several
+        coroutines would chain their tracebacks together)."""
+        with self._wakeup:
+            queues = [q for rid in request_ids if (q := self._queues.get(rid)) is not None]
+        for queue in queues:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits
+                self._put(queue, make_error())
 
     def _main(
         self, config: EngineConfig, loaded: threading.Event, failure: list[BaseException]
@@ -128,29 +180,56 @@ class AsyncEngine:
         with self._wakeup:  # steps begin once start() has given us the event loop
             while self._loop is None and not self._stopping:
                 self._wakeup.wait()
-        self._run()
-
-    def _run(self) -> None:
-        while True:
+        try:
+            while self._run_once():
+                pass
+        except BaseException as e:  # noqa: BLE001 - the thread ends here; nobody may hang
+            logger.critical("the engine thread died; failing every request", exc_info=e)
             with self._wakeup:
-                while not (self._pending or self._aborts or self._stopping or self.core.has_work()):
-                    self._wakeup.wait()
-                pending, self._pending = self._pending, []
-                aborts, self._aborts = self._aborts, []
-                stopping = self._stopping
-            for request, queue in pending:
-                self.frontend.add(request, functools.partial(self._put, queue))
-            for request_id in aborts:
-                self.frontend.abort(request_id)
-            if stopping:
-                self.frontend.abort_all()
-                return
-            try:
-                self.frontend.step()
-            except Exception as e:  # noqa: BLE001 - hand the error to every waiting request
-                logger.exception("engine step failed")
-                parents = list(self.frontend.parents.values())
-                with contextlib.suppress(Exception):
-                    self.frontend.abort_all(emit=False)
-                for parent in parents:
-                    parent.emit(e)  # type: ignore[arg-type]
+                self._dead = True
+                self._pending, self._aborts = [], []
+                everyone = list(self._queues)
+            self._fail(everyone, lambda: EngineDeadError(_DEAD))
+
+    def _run_once(self) -> bool:
+        """One turn of the loop: take new requests and aborts, run a step. False at shutdown."""
+        with self._wakeup:
+            while not (self._pending or self._aborts or self._stopping or self.core.has_work()):
+                self._wakeup.wait()
+            pending, self._pending = self._pending, []
+            aborts, self._aborts = self._aborts, []
+            stopping = self._stopping
+            everyone = list(self._queues)
+        if stopping:
+            self.frontend.abort_all(emit=False)  # frees their blocks
+            self._fail(everyone, lambda: EngineShutdownError(_SHUTDOWN))
+            return False
+        for request, queue in pending:
+            self._add(request, queue)
+        for request_id in aborts:
+            self.frontend.abort(request_id)
+        if self.frontend.has_work():
+            self._step()
+        return True
+
+    def _add(self, request: EngineRequest, queue: _Queue) -> None:
+        try:
+            self.frontend.add(request, functools.partial(self._put, queue))
+        except Exception:  # noqa: BLE001 - this request fails; the others go on
+            logger.exception("queueing request %s failed", request.request_id)
+            self.frontend.abort(request.request_id, emit=False)  # what of it was queued
+            self._fail([request.request_id], lambda: EngineStepError(_FAILED))
+
+    def _step(self) -> None:
+        try:
+            self.frontend.step()
+        except EngineStepError as e:  # the frontend has ended those requests already
+            logger.error(
+                "engine step failed; ending its %d request(s)", len(e.request_ids), exc_info=e
+            )
+            self._fail(e.request_ids, lambda: EngineStepError(_FAILED))
+        except Exception:  # noqa: BLE001 - outside the model run: end everything in flight
+            logger.exception("engine step failed; ending every request in flight")
+            request_ids = list(self.frontend.parents)
+            self.frontend.abort_all(emit=False)
+            self._fail(request_ids, lambda: EngineStepError(_FAILED))

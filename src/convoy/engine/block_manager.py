@@ -5,8 +5,12 @@ A request's block table maps its token positions to fixed-size blocks of KV slot
     tokens      [ t0 .. t15 | t16 .. t31 | t32 .. t37 ______ ]    block_size = 16
     block_table [     7     |     2      |      9            ]
 
-A full prompt block is identified by a hash chained with everything before it,
-h_i = hash((h_{i-1}, tokens of block i)), so equal hashes mean equal prefixes. Once a block's
+A full prompt block is identified by a SHA-256 digest chained with everything before it,
+h_i = SHA-256(h_{i-1} || token ids of block i as int64), so equal digests mean equal prefixes.
+h_{-1} is 32 zero bytes, or a digest of the request's `cache_salt`: requests with different salts
+(tenants) never share a block, requests with the same salt do. (A 64-bit, invertible hash such as
+CPython's `hash` would let a crafted prompt collide with another user's prefix and plant its KV
+there, vLLM's CVE-2025-25183.) Once a block's
 tokens are in the cache its hash is registered; a later request whose prompt starts with the same
 blocks takes references on them instead of recomputing them. Freed blocks keep their hash until
 they are handed out again (least recently freed first), so a finished prompt's prefix stays
@@ -19,17 +23,28 @@ shared few-shot header across a batch) instead of computing it a second time.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
 
 from convoy.engine.request import Request
 
+_NO_SALT = bytes(32)
 
-def hash_prompt_blocks(token_ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of a prompt."""
-    hashes: list[int] = []
-    parent = 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+
+def hash_prompt_blocks(
+    token_ids: list[int], block_size: int, cache_salt: str | None = None
+) -> list[bytes]:
+    """Chained SHA-256 digests of the full blocks of a prompt, the first one salted if asked."""
+    parent = _NO_SALT
+    if cache_salt is not None:
+        parent = hashlib.sha256(b"convoy cache_salt\0" + cache_salt.encode()).digest()
+    ids = array("q", token_ids)  # every id as 8 bytes, one copy
+    step = block_size * ids.itemsize
+    data = memoryview(ids).cast("B")
+    hashes: list[bytes] = []
+    for end in range(step, len(data) + 1, step):
+        parent = hashlib.sha256(parent + data[end - step : end]).digest()
         hashes.append(parent)
     return hashes
 
@@ -38,7 +53,7 @@ def hash_prompt_blocks(token_ids: list[int], block_size: int) -> list[int]:
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set once the block holds a computed full prompt block
+    block_hash: bytes | None = None  # set once the block holds a computed full prompt block
 
 
 class BlockManager:
@@ -51,9 +66,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # NOTE: insertion order = eviction order (least recently freed first).
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id (computed blocks)
-        self._pending: dict[int, str] = {}  # block hash -> req_id computing it
+        self._cached: dict[bytes, int] = {}  # block hash -> block id (computed blocks)
+        self._pending: dict[bytes, str] = {}  # block hash -> req_id computing it
         self._num_registered: dict[str, int] = {}  # req_id -> prompt blocks registered so far
+        self.num_hit_tokens = 0  # prompt tokens served from the prefix cache, since start
 
     @property
     def num_used_blocks(self) -> int:
@@ -102,6 +118,7 @@ class BlockManager:
             req.block_table.append(block_id)
         if cached:
             self._num_registered[req.req_id] = len(cached)
+            self.num_hit_tokens += len(cached) * self.block_size
         for _ in range(max(needed, 0)):
             req.block_table.append(self._take_free_block())
         self._mark_pending(req)
@@ -147,7 +164,8 @@ class BlockManager:
         return block_id
 
     def _mark_pending(self, req: Request) -> None:
-        if not self.enable_prefix_caching or req.wants_prompt_logprobs:
+        # A sequence that scores its prompt computes every block too: its siblings wait for them.
+        if not self.enable_prefix_caching:
             return
         num_blocks = min(len(req.block_table), len(req.block_hashes))
         for i in range(self._num_registered.get(req.req_id, 0), num_blocks):

@@ -1,7 +1,8 @@
 """EngineCore: the synchronous engine over sequences. `step()` is schedule -> execute -> update.
 
 It knows nothing of prompts with several samples (the front end's ParentRequest), of threads or
-of HTTP: add a sequence, abort sequences, step.
+of HTTP: add a sequence, abort sequences, step. A step that fails raises EngineStepError naming
+the prompts it ran; the caller ends those (their sequences are left for it to abort).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Iterable
 
 from convoy.config import EngineConfig
 from convoy.engine.block_manager import BlockManager
+from convoy.engine.errors import EngineStepError
+from convoy.engine.faults import FaultInjector
 from convoy.engine.output_processor import OutputProcessor, SeqDelta
 from convoy.engine.request import Request
 from convoy.engine.scheduler import Scheduler
@@ -43,6 +46,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.eos_token_ids = self._eos_ids(family.extra_stop_tokens)
         self.output = OutputProcessor(self.tokenizer)
+        self._faults = FaultInjector.from_env()  # None unless a test asks for faults
+        # NOTE: other threads (the server's /metrics) read this snapshot, refreshed on the engine
+        # thread after each step and abort, and never the scheduler's live dicts.
+        self.last_stats = self.stats()
 
     def add_request(self, req: Request) -> None:
         self.output.add(req)
@@ -50,8 +57,13 @@ class EngineCore:
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[SeqDelta]:
         """Finish sequences with `abort` now; returns their last deltas."""
+        req_ids = list(req_ids)
         aborted = self.scheduler.finish_requests(req_ids, FinishReason.ABORT)
-        return [self.output.delta(req) for req in aborted]
+        deltas = [self.output.delta(req) for req in aborted]
+        for req_id in req_ids:  # finished inside a failed step: their text state is left over
+            self.output.states.pop(req_id, None)
+        self.last_stats = self.stats()
+        return deltas
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -59,8 +71,16 @@ class EngineCore:
     def step(self) -> list[SeqDelta]:
         """Run one step; returns what every sequence that sampled (or finished) gained in it."""
         sched = self.scheduler.schedule()
-        runner_out = self.worker.execute(sched.seqs)
-        return self._process_outputs(self.scheduler.update_from_output(sched, runner_out))
+        try:
+            if self._faults is not None:
+                self._faults.check()
+            runner_out = self.worker.execute(sched.seqs)
+            deltas = self._process_outputs(self.scheduler.update_from_output(sched, runner_out))
+        except Exception as e:
+            failed = frozenset(req.parent_id or req.req_id for req, _ in sched.scheduled)
+            raise EngineStepError("the engine failed while running this request", failed) from e
+        self.last_stats = self.stats()
+        return deltas
 
     def _process_outputs(self, reqs: list[Request]) -> list[SeqDelta]:
         deltas = self.output.process(reqs)  # detokenize; a stop string finishes a sequence
@@ -78,6 +98,7 @@ class EngineCore:
             num_prompt_tokens=s.num_prompt_tokens,
             num_generation_tokens=s.num_generation_tokens,
             num_preemptions=s.num_preemptions,
+            num_prefix_cache_hit_tokens=self.block_manager.num_hit_tokens,
         )
 
     def _eos_ids(self, extra_stop_tokens: tuple[str, ...]) -> frozenset[int]:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from convoy.engine.core import EngineCore
+from convoy.engine.errors import EngineStepError
 from convoy.engine.output_processor import SeqDelta
 from convoy.engine.parent_request import ParentRequest
 from convoy.engine.request import EngineRequest
@@ -106,8 +107,18 @@ class EngineFrontend:
             self.abort(request_id, emit)
 
     def step(self) -> None:
-        """One engine step; every parent with news emits, finished parents are dropped."""
-        self._route(self.core.step())
+        """One engine step; every parent with news emits, finished parents are dropped.
+
+        A failed step ends the prompts it ran (their blocks freed, nothing emitted) and raises
+        EngineStepError naming them, for the caller to tell their clients; the rest go on.
+        """
+        try:
+            deltas = self.core.step()
+        except EngineStepError as e:
+            for request_id in e.request_ids:
+                self.abort(request_id, emit=False)
+            raise
+        self._route(deltas)
 
     def _route(self, deltas: list[SeqDelta]) -> None:
         by_parent: dict[str, list[SeqDelta]] = {}

@@ -1,7 +1,8 @@
 """The one loop over a step's sampled tokens on the text side: detokenize, stop strings, deltas.
 
 Text is decoded incrementally against a few tokens of context, and a delta is released only when
-it does not end in a broken UTF-8 sequence (U+FFFD). Stop strings are searched in the text and
+it does not end in a broken UTF-8 sequence (U+FFFD); at the end a partial character left over is
+released as the tokenizer decodes it (U+FFFD, as a whole-sequence decode gives it). Stop strings are searched in the text and
 cut off (with everything after them); while stop strings are set, the last
 `max(len(stop)) - 1` characters are held back from streaming, since they may be the start of one.
 """
@@ -35,12 +36,19 @@ class Detokenizer:
 
     def add(self, token_id: int) -> str:
         self.tokens.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of the sequence: release what `add` held back for a partial character."""
+        return self._advance(final=True) if self.read_offset < len(self.tokens) else ""
+
+    def _advance(self, final: bool) -> str:
         decode = self.tokenizer.decode
         prefix = decode(
             self.tokens[self.prefix_offset : self.read_offset], self.skip_special_tokens
         )
         full = decode(self.tokens[self.prefix_offset :], self.skip_special_tokens)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             delta = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             self.text += delta
@@ -109,6 +117,8 @@ class OutputProcessor:
         """What the sequence has not reported yet (all of it, once finished)."""
         state = self.states[req.req_id]
         finished = req.finish_reason is not None
+        if finished and not isinstance(req.stop_reason, str):  # a stop string cut the text
+            state.detok.flush()
         text = state.detok.text
         end = len(text) if finished else max(state.num_emitted_chars, len(text) - state.hold)
         out_ids = req.output_token_ids

@@ -44,7 +44,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first schedule
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # hashes of the full prompt blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # digests of the full prompt blocks
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -76,4 +76,6 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None
+        """Does this sequence score its prompt? Only child 0 of an n / best_of fan-out: the
+        others reuse its prompt KV through the prefix cache instead of scoring it again."""
+        return self.params.prompt_logprobs is not None and self.index == 0

@@ -7,7 +7,8 @@ first); when blocks run out the newest running sequence is preempted (its blocks
 later). Waiting sequences are admitted group by group (a group is one API request), the group with
 the fewest running sequences first, so a small request is not stuck behind a 1,000-prompt one;
 when the sequence cap is reached, a group holding at least two more sequences than the newcomer's
-gives one up.
+gives one up. Each group's waiting sequences are an ordered dict by id, so aborting any of them is
+O(1) (a client that drops a 1,024-prompt request must not stall the engine).
 
 The contract is vLLM v1's: add_request, schedule() -> SchedulerOutput, update_from_output
 (sched_out, runner_out) after the worker ran it, finish_requests(ids, reason) (stop strings, aborts).
@@ -16,7 +17,7 @@ The contract is vLLM v1's: add_request, schedule() -> SchedulerOutput, update_fr
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -43,17 +44,16 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.bm = block_manager
         self.requests: dict[str, Request] = {}  # every sequence not yet finished
-        self.waiting: dict[str, deque[Request]] = {}  # group -> its waiting sequences, FIFO
+        # group -> its waiting sequences by id, FIFO (preempted ones go back to the front)
+        self.waiting: dict[str, OrderedDict[str, Request]] = {}
+        self.num_waiting = 0
         self.running: list[Request] = []  # admission order
+        self._num_finished_running = 0  # freed but not yet pruned from `running`
         self.num_running_by_group: dict[str, int] = {}
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # totals since start (one prompt counted once, not per child)
         self.num_generation_tokens = 0
         self.num_computed_tokens = 0  # tokens run through the model (prompts, chunks, decodes)
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(len(q) for q in self.waiting.values())
 
     def has_work(self) -> bool:
         return bool(self.running) or bool(self.waiting)
@@ -61,7 +61,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         req.block_hashes = self._hashes(req)
         self.requests[req.req_id] = req
-        self.waiting.setdefault(req.group_id, deque()).append(req)
+        self._enqueue(req)
         if req.index == 0:
             self.num_prompt_tokens += req.num_prompt_tokens
 
@@ -100,6 +100,7 @@ class Scheduler:
             if req.finish_reason is not None:
                 self._free(req)
             updated.append(req)
+        self._prune_running()
         return updated
 
     def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> list[Request]:
@@ -117,6 +118,7 @@ class Scheduler:
                 req.finish_reason = reason
             self._free(req)
             finished.append(req)
+        self._prune_running()
         return finished
 
     def _append_token(self, req: Request, token_id: int, runner_out: ModelRunnerOutput) -> None:
@@ -140,19 +142,24 @@ class Scheduler:
             req.finish_reason = FinishReason.LENGTH
 
     def _free(self, req: Request) -> None:
-        """Remove a sequence (finished or aborted) from the queues and free its blocks."""
+        """Remove a sequence (finished or aborted) from the queues and free its blocks.
+
+        NOTE: a running sequence stays in `self.running` until `_prune_running`, so ending many
+        at once rebuilds the list once instead of searching it per sequence.
+        """
         self.requests.pop(req.req_id, None)
         if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
+            self._num_finished_running += 1
             self._count(req.group_id, -1)
         elif req.status == RequestStatus.WAITING:
-            queue = self.waiting.get(req.group_id)
-            if queue is not None and req in queue:
-                queue.remove(req)
-                if not queue:
-                    del self.waiting[req.group_id]
+            self._dequeue(req)
         self.bm.free(req)
         req.status = RequestStatus.FINISHED
+
+    def _prune_running(self) -> None:
+        if self._num_finished_running:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self._num_finished_running = 0
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -175,7 +182,7 @@ class Scheduler:
             group = self._next_group(held_back)
             if group is None:
                 return
-            req = self.waiting[group][0]
+            req = next(iter(self.waiting[group].values()))
             cached = self.bm.get_computed_blocks(req)
             if self.bm.is_prefix_pending(req, len(cached)):
                 held_back.add(group)  # reuse that block next step instead of computing it twice
@@ -188,9 +195,7 @@ class Scheduler:
             req.num_computed_tokens = len(cached) * self.bm.block_size
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
-            self.waiting[group].popleft()
-            if not self.waiting[group]:
-                del self.waiting[group]
+            self._dequeue(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._count(group, +1)
@@ -233,8 +238,23 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.setdefault(req.group_id, deque()).appendleft(req)
+        self._enqueue(req, front=True)
         out.preempted.append(req)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        queue = self.waiting.setdefault(req.group_id, OrderedDict())
+        queue[req.req_id] = req
+        if front:
+            queue.move_to_end(req.req_id, last=False)
+        self.num_waiting += 1
+
+    def _dequeue(self, req: Request) -> None:
+        """Take a waiting sequence out of its group's queue (the head, or any one: an abort)."""
+        queue = self.waiting[req.group_id]
+        del queue[req.req_id]
+        if not queue:
+            del self.waiting[req.group_id]
+        self.num_waiting -= 1
 
     def _count(self, group: str, delta: int) -> None:
         n = self.num_running_by_group.get(group, 0) + delta
@@ -243,10 +263,10 @@ class Scheduler:
         else:
             self.num_running_by_group.pop(group, None)
 
-    def _hashes(self, req: Request) -> list[int]:
+    def _hashes(self, req: Request) -> list[bytes]:
         if not self.bm.enable_prefix_caching:
             return []
-        return hash_prompt_blocks(req.prompt_token_ids, self.bm.block_size)
+        return hash_prompt_blocks(req.prompt_token_ids, self.bm.block_size, req.params.cache_salt)
 
 
 def _scheduled_seq(req: Request, num_new: int) -> ScheduledSeq:
@@ -270,6 +290,6 @@ def _scoring(req: Request, start: int, num_new: int) -> PromptScoring | None:
     k = req.params.prompt_logprobs
     first = max(start + 1, len(req.prompt_logprobs) or 1)
     end = min(start + num_new + 1, req.num_prompt_tokens)
-    if k is None or first >= end:
+    if k is None or not req.wants_prompt_logprobs or first >= end:
         return None
     return PromptScoring(first, req.token_ids[first:end], k)

@@ -14,3 +14,4 @@ class EngineStats:
     num_prompt_tokens: int  # totals since start
     num_generation_tokens: int
     num_preemptions: int
+    num_prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -1,7 +1,8 @@
 """GGUF file -> Hugging Face-format folder (config.json, model.safetensors, tokenizer files).
 
-The first load of a .gguf dequantizes every tensor once (gguf package) and writes the folder under
-the cache dir; every later start loads that folder by memory map. Tensor names and layouts are
+The first load of a .gguf writes that folder under the cache dir (loader.py: the config and the
+tokenizer first, the weights dequantized once when a load needs them), atomically, so processes
+starting at once never see or write half of it (`staging_dir`); every later start loads it. Tensor names and layouts are
 turned back into Hugging Face's:
 
     llama.cpp                 Hugging Face
@@ -16,15 +17,16 @@ What differs by family (config keys, storage conventions of some tensors) is the
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from convoy.models.layers import CausalLM
 from convoy.models.registry import GGUF_FAMILIES, gguf_family
@@ -81,20 +83,28 @@ def open_gguf(path: Path) -> tuple[Any, str, type[CausalLM]]:
     return reader, arch, family
 
 
-def convert_gguf(path: Path, out_dir: Path) -> None:
-    """Write the HF-format folder for the GGUF file at `path` into `out_dir` (atomically)."""
-    reader, arch, family = open_gguf(path)
-    config = _config(reader, arch, family)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    logger.info("converting %s to %s (first load only)", path, out_dir)
-    tensors = _tensors(reader, arch, family, config)
-    save_file(tensors, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _save_tokenizer(path, reader, tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+@contextmanager
+def staging_dir(out: Path) -> Iterator[Path]:
+    """A new folder beside `out` to write into, renamed to `out` when the block succeeds.
+
+    The folder is unique to this call, so processes and threads converting the same file at once
+    never write into each other's. The rename is atomic: `out` is whole or absent. When another
+    writer renamed its folder first, that one (the same conversion) is kept and ours discarded;
+    on an error ours is discarded too.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any folder
+    try:
+        yield tmp
+        try:
+            tmp.rename(out)  # fails when `out` exists and is not empty
+        except OSError:
+            if not out.is_dir():
+                raise
+            logger.info("%s was written by another process meanwhile; using that one", out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left after a successful rename
 
 
 def _config(reader: Any, arch: str, family: type[CausalLM]) -> dict[str, Any]:

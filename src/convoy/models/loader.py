@@ -26,7 +26,7 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
+import tempfile
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,7 @@ from convoy.models.gguf_convert import (
     hf_tensor_name,
     open_gguf,
     read_gguf,
+    staging_dir,
 )
 from convoy.models.gguf_index import read_gguf_index
 from convoy.models.gguf_quant import quantized_linears
@@ -142,18 +143,10 @@ def _convert_gguf_metadata(path: Path, out: Path) -> None:
     if bad is not None:
         raise ModelLoadError(f"{path}: unexpected tensor {bad!r} in GGUF file")
     config = _config(reader, arch, family)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     logger.info("writing %s's config and tokenizer into %s (first load only)", path, out)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _save_tokenizer(path, reader, tmp)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process wrote it first: theirs is the same
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():
-            raise
+    with staging_dir(out) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        _save_tokenizer(path, reader, tmp)
 
 
 def ensure_hf_weights(resolved: ResolvedModel) -> Path:
@@ -169,9 +162,15 @@ def ensure_hf_weights(resolved: ResolvedModel) -> Path:
     family = gguf_family(arch)
     assert family is not None, arch  # checked when the folder was written
     config = json.loads((folder / "config.json").read_text())
-    tmp = folder / f"model.safetensors.{os.getpid()}.tmp"
-    save_file(_tensors(reader, arch, family, config), str(tmp))
-    os.replace(tmp, folder / "model.safetensors")
+    # A name unique to this call (two loads at once each write their own), renamed atomically.
+    fd, tmp = tempfile.mkstemp(prefix="model.safetensors.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        save_file(_tensors(reader, arch, family, config), tmp)
+        os.chmod(tmp, 0o644)  # mkstemp's file is private; the cache is shared
+        os.replace(tmp, folder / "model.safetensors")
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     return folder
 
 

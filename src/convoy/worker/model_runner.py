@@ -16,7 +16,9 @@ from convoy.worker.kv_cache import KVCache
 @dataclass(slots=True)
 class RunnerOutput:
     logits: torch.Tensor  # (N, vocab) fp32: one row per sequence with need_logits, in order
-    prompt_logits: list[torch.Tensor | None]  # per scheduled seq: (k, vocab) rows or None
+    # per scheduled seq: (k, hidden) final hidden states of the positions that score prompt
+    # tokens, or None; their logits are computed by `ModelRunner.compute_logits` in slices
+    prompt_hidden: list[torch.Tensor | None]
 
 
 class ModelRunner:
@@ -57,12 +59,16 @@ class ModelRunner:
                 rows.append(offset + n - 1)
             offset += n
         sampling = hidden if len(rows) == offset else hidden[rows]  # all decode: every row
-        logits = self.model.compute_logits(sampling)  # type: ignore[operator]
-        prompt_logits = [
-            None if span is None else self.model.compute_logits(hidden[span[0] : span[1]])  # type: ignore[operator]
-            for span in prompt_spans
+        prompt_hidden = [
+            None if span is None else hidden[span[0] : span[1]] for span in prompt_spans
         ]
-        return RunnerOutput(logits=logits, prompt_logits=prompt_logits)
+        return RunnerOutput(logits=self.compute_logits(sampling), prompt_hidden=prompt_hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) final hidden states -> (N, vocab) fp32 logits."""
+        logits: torch.Tensor = self.model.compute_logits(hidden)  # type: ignore[operator]
+        return logits
 
     def prepare(
         self, seqs: list[ScheduledSeq]
@@ -88,7 +94,9 @@ class ModelRunner:
             else:
                 ctx = start + n
                 blocks = (
-                    self._blocks([table], self._num_blocks(ctx)) if start > 0 else torch.empty(0)
+                    self._blocks([table], self._num_blocks(ctx))
+                    if start > 0
+                    else torch.empty(0, dtype=torch.long, device=self.device)
                 )
                 prefills.append(PrefillSeq(flat, flat + n, ctx, blocks))
         dev = self.device

@@ -1,12 +1,17 @@
 """Batched sampling: logit bias, min_tokens, penalties, greedy / temperature / top-k / top-p / min-p,
-per-sequence seeds, and logprobs of the raw distribution.
+per-sequence seeds, and logprobs of the raw distribution; prompt logprobs in bounded slices.
 
-A seeded sequence draws from its own generator, seeded from (seed, output position): its tokens
-do not depend on what else is in the batch, nor on whether it was preempted and recomputed.
+Every tensor lives on the logits' device (CPU or CUDA): nothing here assumes the CPU.
+
+A seeded sequence draws from its own generator on that device, seeded from (seed, output
+position): its tokens do not depend on what else is in the batch, nor on whether it was
+preempted and recomputed. (The streams differ between a CPU and a CUDA generator: a seed is
+reproducible on one kind of device.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +20,10 @@ from convoy.outputs import PositionLogprobs
 from convoy.worker.batch import SamplerRow
 
 _MASK64 = (1 << 63) - 1
+# fp32 logits materialised at once when scoring a prompt (and as much again for their
+# log-softmax): 64 rows of Gemma's 262k vocabulary, not the whole chunk (2,048 x 262,144 x 4 B
+# = 2 GiB, twice).
+PROMPT_LOGITS_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -29,26 +38,26 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
     raw = logits
     if any(_has_processors(r) for r in rows):
         logits = _apply_processors(logits.clone(), rows)
-    tokens = torch.empty(len(rows), dtype=torch.long)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    if len(greedy) == len(rows):  # all greedy: no (N, V) gather copy
-        tokens = argmax_rows(logits)
-    elif greedy:
-        tokens[greedy] = argmax_rows(logits[greedy])
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-    if random_rows:
+    if not random_rows:  # all greedy: no (N, V) gather copy
+        tokens = argmax_rows(logits)
+    else:
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        if greedy:
+            tokens[greedy] = argmax_rows(logits[greedy])
         tokens[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
     token_ids = tokens.tolist()
     logprobs: list[PositionLogprobs | None] = [None] * len(rows)
     sampled: list[float | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.need_logprob or r.params.logprobs is not None]
     if want:
+        ks = [rows[i].params.logprobs or 0 for i in want]
         lp = torch.log_softmax(raw[want], dim=-1)
-        for j, i in enumerate(want):
-            k = rows[i].params.logprobs
-            entry = position_logprobs(lp[j], token_ids[i], k or 0)
+        entries = logprob_entries(lp, [token_ids[i] for i in want], ks)
+        for i, entry in zip(want, entries, strict=True):
             sampled[i] = entry[token_ids[i]]
-            if k is not None:
+            if rows[i].params.logprobs is not None:
                 logprobs[i] = entry
     return SamplerOutput(token_ids, logprobs, sampled)
 
@@ -60,31 +69,61 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` of an (N, V) tensor, the same indices (the first maximum; NaN counts as the
     maximum), ~6x faster on the CPU for a large vocabulary: torch's last-dim argmax is not
     vectorized (measured 13.8 vs 2.3 ms for 64 x 262144 fp32), its amax is. The maximum of each
-    chunk of 1024, the first chunk holding the row's maximum, then the argmax inside it."""
+    chunk of 1024, the first chunk holding the row's maximum, then the argmax inside it.
+    Elsewhere (CUDA) torch's own argmax is used: it is a single fast reduction there."""
     n, v = x.shape
     if v % _ARGMAX_CHUNK or x.device.type != "cpu" or not x.is_contiguous():
         return x.argmax(-1)
     chunks = x.view(n, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
     best = chunks.amax(-1).argmax(-1)  # (N,) the first chunk with the maximum
-    inside = chunks[torch.arange(n), best].argmax(-1)
+    inside = chunks[torch.arange(n, device=x.device), best].argmax(-1)
     return best * _ARGMAX_CHUNK + inside
 
 
-def position_logprobs(lp: torch.Tensor, token_id: int, k: int) -> PositionLogprobs:
-    """Top-k of one position's logprobs (descending), then `token_id` if not among them."""
-    entry: PositionLogprobs = {}
-    if k > 0:
-        values, ids = lp.topk(k)
-        entry = dict(zip(ids.tolist(), values.tolist(), strict=True))
-    if token_id not in entry:
-        entry[token_id] = float(lp[token_id])
-    return entry
+def logprob_entries(
+    lp: torch.Tensor, token_ids: list[int], ks: list[int]
+) -> list[PositionLogprobs]:
+    """Per row of `lp` (R, V) logprobs: its top-k_r (descending), then its token if not among
+    them. One gather and one top-k for all rows (one device sync each, not one per row)."""
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device).unsqueeze(1))[:, 0].tolist()
+    k_max = max(ks, default=0)
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    top_values: list[list[float]] = [[] for _ in token_ids]
+    if k_max > 0:
+        values, ids = lp.topk(k_max, dim=-1)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    entries: list[PositionLogprobs] = []
+    for token_id, k, lp_token, ids_r, values_r in zip(
+        token_ids, ks, chosen, top_ids, top_values, strict=True
+    ):
+        entry: PositionLogprobs = dict(zip(ids_r[:k], values_r[:k], strict=True))
+        entry.setdefault(token_id, lp_token)
+        entries.append(entry)
+    return entries
 
 
-def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[PositionLogprobs]:
-    """Logprobs of each target token under the logits of the position before it."""
-    lp = torch.log_softmax(logits, dim=-1)
-    return [position_logprobs(lp[i], t, k) for i, t in enumerate(targets)]
+def prompt_logprobs(
+    hidden: torch.Tensor,
+    targets: list[int],
+    k: int,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+    max_logits_bytes: int = PROMPT_LOGITS_BYTES,
+) -> list[PositionLogprobs]:
+    """Logprobs of each target token under the logits of the position before it.
+
+    `hidden` holds those positions' final hidden states, one row per target; their logits are
+    computed a slice of rows at a time (at most `max_logits_bytes` of fp32 logits), so scoring a
+    long prompt over a large vocabulary needs bounded memory. Each row's result does not depend
+    on the slicing.
+    """
+    rows = max(1, max_logits_bytes // (vocab_size * 4))
+    out: list[PositionLogprobs] = []
+    for start in range(0, len(targets), rows):
+        logprobs = torch.log_softmax(compute_logits(hidden[start : start + rows]), dim=-1)
+        part = targets[start : start + rows]
+        out.extend(logprob_entries(logprobs, part, [k] * len(part)))
+    return out
 
 
 def _has_processors(r: SamplerRow) -> bool:
@@ -98,32 +137,32 @@ def _has_processors(r: SamplerRow) -> bool:
 
 
 def _apply_processors(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+    dev, dtype = logits.device, logits.dtype
     for i, r in enumerate(rows):
         p = r.params
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=dtype, device=dev)
         if len(r.output_token_ids) < p.min_tokens and r.stop_ids:
-            logits[i, r.stop_ids] = float("-inf")
+            logits[i, torch.tensor(r.stop_ids, dtype=torch.long, device=dev)] = float("-inf")
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)))
+            seen_ids = sorted(set(r.prompt_token_ids) | set(r.output_token_ids))
+            seen = torch.tensor(seen_ids, dtype=torch.long, device=dev)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
             )
         if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-            counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=logits.shape[1]).to(
-                logits.dtype
-            )
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
-                logits.dtype
-            )
+            output_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
+            counts = torch.bincount(output_ids, minlength=logits.shape[1]).to(dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(dtype)
     return logits
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).unsqueeze(1)
-    logits = logits / temps
+    dev = logits.device
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=dev)
+    logits = logits / temps.unsqueeze(1)
     for i, r in enumerate(rows):
         p = r.params
         if p.top_k > 0 and p.top_k < logits.shape[1]:
@@ -142,7 +181,9 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor
         if r.seed is None:
             noise[i].exponential_()
         else:
-            gen = torch.Generator().manual_seed(hash((r.seed, len(r.output_token_ids))) & _MASK64)
+            # a generator of the logits' device: a CPU one cannot fill a CUDA tensor
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(hash((r.seed, len(r.output_token_ids))) & _MASK64)
             noise[i].exponential_(generator=gen)
     return argmax_rows(probs / noise)
 
@@ -150,8 +191,6 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor
 def _top_p_(row: torch.Tensor, top_p: float) -> None:
     """Keep the smallest set of highest tokens whose probability reaches top_p (in place)."""
     sorted_logits, order = row.sort(descending=True)
-    cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-    drop = (
-        cum - torch.softmax(sorted_logits, dim=-1) >= top_p
-    )  # mass before this token already >= p
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already >= p
     row[order[drop]] = float("-inf")

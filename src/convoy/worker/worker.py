@@ -131,9 +131,11 @@ class Worker:
                 result.sampled_logprobs[s.req_id] = lp
             if (entry := sampled.logprobs[i]) is not None:
                 result.logprobs[s.req_id] = entry
-        for s, logits in zip(seqs, out.prompt_logits, strict=True):
-            if s.scoring is not None and logits is not None:
-                targets = s.scoring.targets
-                scored = prompt_logprobs(logits[: len(targets)], targets, s.scoring.k)
-                result.prompt_logprobs[s.req_id] = scored
+        for s, hidden in zip(seqs, out.prompt_hidden, strict=True):
+            if s.scoring is not None and hidden is not None:
+                targets = s.scoring.targets  # the chunk's last position may predict no prompt token
+                result.prompt_logprobs[s.req_id] = prompt_logprobs(
+                    hidden[: len(targets)], targets, s.scoring.k,
+                    self.runner.compute_logits, self.model_config.vocab_size,
+                )  # fmt: skip
         return result
