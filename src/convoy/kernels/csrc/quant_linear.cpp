@@ -566,7 +566,7 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
 }
 #endif
 
-constexpr int64_t kPairMaxBytes = 16 << 20;  // weights up to this size run two panels a tile
+constexpr int64_t kPairMinRows = 16;  // activation rows from which a tile runs two panels
 #ifdef CONVOY_VNNI
 constexpr int64_t kP = 2;  // weight panels per register tile
 #else
@@ -611,10 +611,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
     at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
       const ActBlock* rows[kMR];
       const uint8_t* wg[kP];
-      // Two panels at once read two streams of weights: faster from cache, but a weight streamed
-      // from memory (Gemma's 178 MB head) ran up to 1.6x slower at small batches than with one
-      // (measured); the results are the same bits either way.
-      const int64_t step = G * gstride <= kPairMaxBytes ? kP : 1;
+      // Two panels at once read two streams of weights. With few activation rows the weights
+      // stream from memory once (every layer's in a model larger than the caches) and two streams
+      // ran slower than one (Gemma's head at M=1: 9.8 vs 5.9 ms; SmolLM2's decode step at B=1-4
+      // 20-50% slower); with many rows the kernel is compute-bound and sharing each broadcast
+      // pays. The results are the same bits either way.
+      const int64_t step = m1 - m0 >= kPairMinRows ? kP : 1;
       for (int64_t g = g0; g < g1; g += step) {
         const int64_t np = std::min(step, g1 - g);
         const int64_t lanes = std::min<int64_t>(R * np, N - g * R);
