@@ -173,7 +173,8 @@ def main() -> None:
         phases.append(asyncio.run(disconnect_phase(args, server.url)))
     finally:
         server.stop()
-    server = run_server(args, ["--max-queue-seqs", str(args.queue)])
+    queue = str(args.queue)
+    server = run_server(args, ["--max-queue-seqs", queue, "--max-seqs-per-request", queue])
     try:
         phases.append(asyncio.run(queue_phase(args, server.url)))
     finally:
