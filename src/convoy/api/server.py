@@ -30,9 +30,11 @@ from convoy.api.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    ErrorResponse,
+)
+from convoy.api.protocol_info import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,

@@ -199,7 +199,7 @@ class AsyncEngine:
             pending, self._pending = self._pending, []
             aborts, self._aborts = self._aborts, []
             stopping = self._stopping
-            everyone = list(self._queues)
+            everyone = list(self._queues) if stopping else []
         if stopping:
             self.frontend.abort_all(emit=False)  # frees their blocks
             self._fail(everyone, lambda: EngineShutdownError(_SHUTDOWN))

@@ -1,0 +1,48 @@
+"""Wire types of the info routes: /v1/models, /tokenize and /detokenize (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from convoy.api.protocol import ChatMessageParam, OpenAIModel, RequestModel, TokenId
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "convoy"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM's shape: either `prompt` (completions) or `messages` (chat template applied)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
