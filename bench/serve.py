@@ -52,9 +52,15 @@ class ServerProcess:
             "--dtype", args.dtype, "--device", args.device, "--log-level", "warning",
             *getattr(args, "serve_args", []),
         ]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k != "CONVOY_API_KEY"}
-        self.proc = subprocess.Popen(cmd, env=env)
+        self.cmd = cmd
+        self.env = {k: v for k, v in os.environ.items() if k != "CONVOY_API_KEY"}
+        self.proc = subprocess.Popen(cmd, env=self.env)
         self.url = f"http://127.0.0.1:{self.port}"
+
+    def restart(self) -> None:
+        """Start the same command again (same port) after the process ended; wait till healthy."""
+        self.proc = subprocess.Popen(self.cmd, env=self.env)
+        self.wait_healthy()
 
     def wait_healthy(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s

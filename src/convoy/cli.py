@@ -1,4 +1,5 @@
-"""Command line: `convoy serve [MODEL]` (the OpenAI-compatible server) and `convoy generate PROMPT`.
+"""Command line: `convoy serve [MODEL]` (the OpenAI-compatible server), `convoy generate PROMPT`
+and `convoy batch -i IN.jsonl -o OUT.jsonl [MODEL]` (a batch file offline).
 
 The flags are generated from the config dataclasses in config.py (one `--field-name` per leaf
 setting, defaults and help from the fields), so a setting added there appears here by itself.
@@ -7,8 +8,10 @@ setting, defaults and help from the fields), so a setting added there appears he
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -87,13 +90,18 @@ def add_config_arguments(parser: argparse.ArgumentParser, leaves: Iterable[Confi
         )
 
 
-def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    model = _leaf(ServerConfig, "model")
-    serve.add_argument("model", nargs="?", default=model.default, help=model.help)
-    serve.add_argument(
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """MODEL, positional or as --model (dest model_flag: a positional default must not win)."""
+    model = _leaf(EngineConfig, "model")
+    parser.add_argument("model", nargs="?", default=model.default, help=model.help)
+    parser.add_argument(
         "--model", dest="model_flag", metavar="MODEL", default=None, help="same as MODEL"
     )
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_model_arguments(serve)
     add_config_arguments(
         serve, (leaf for leaf in leaf_fields(ServerConfig) if leaf.name != "model")
     )
@@ -129,18 +137,89 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
     return gen
 
 
+_BATCH_DESCRIPTION = """\
+Run a batch file of OpenAI requests offline, in this process: the Batch API's line format (and
+vLLM's run-batch), one request a line:
+
+  {"custom_id": "q1", "method": "POST", "url": "/v1/completions", "body": {"model": ..., ...}}
+
+`url` is /v1/completions or /v1/chat/completions (a file may mix both). Output lines are the Batch
+API's ({"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}), in
+completion order: join them on custom_id. A line that cannot be run (not JSON, no custom_id or a
+duplicate one, another method or url, stream: true, too long) gets an error line; an invalid body
+gets its 400 response. Error lines go to --error-file if given, else to the output file.
+
+Resumable: results are fsynced, then recorded in OUT.jsonl.convoy-state. After an interruption
+(Ctrl-C, kill -9, power loss) run the same command again: the output files are cut back to what
+was recorded, recorded lines are skipped, the rest run; each custom_id is answered exactly once.
+The state file is kept when the job completes: a rerun says "nothing to do", and lines appended
+to the input later run on the next rerun. Remove both output files and the state to start afresh.
+
+exit status: 0 every line answered (successes and per-line errors alike); 1 the job could not run
+(input unreadable, output unwritable, the model failed to load, the engine stopped: rerun to
+resume); 2 refused (bad flags; output, error file and input not distinct; an existing output with
+no state file, or a state file of another job); 130 interrupted (rerun to resume).
+"""
+
+# The server settings `convoy batch` takes too, with their help as this command reads them.
+_BATCH_SERVER_LEAVES = {
+    "served_model_name": "the `model` the lines' bodies name (default: the model's name)",
+    "max_request_bytes": "longer input lines are answered with a line_too_long error line",
+    "log_level": "log level",
+}
+
+
+def _add_batch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    batch = sub.add_parser(
+        "batch",
+        help="run a JSONL file of requests offline (resumable)",
+        description=_BATCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    batch.add_argument(
+        "-i", "--input-file", required=True, type=Path, metavar="IN.jsonl", help="the requests"
+    )
+    batch.add_argument(
+        "-o", "--output-file", required=True, type=Path, metavar="OUT.jsonl",
+        help="the answers, appended (state: OUT.jsonl.convoy-state beside it)",
+    )  # fmt: skip
+    batch.add_argument(
+        "--error-file", type=Path, metavar="ERR.jsonl", help="error lines (default: OUT.jsonl)"
+    )
+    _add_model_arguments(batch)
+    add_config_arguments(
+        batch, (leaf for leaf in leaf_fields(EngineConfig) if leaf.name != "model")
+    )
+    add_config_arguments(
+        batch,
+        [
+            dataclasses.replace(leaf, help=_BATCH_SERVER_LEAVES[leaf.name])
+            for leaf in leaf_fields(ServerConfig)
+            if leaf.name in _BATCH_SERVER_LEAVES
+        ],
+    )
+    return batch
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="convoy")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
     _add_serve_parser(sub)
+    _add_batch_parser(sub)
     return parser
 
 
 def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
-    values = {leaf.name: getattr(args, leaf.name) for leaf in leaf_fields(ServerConfig)}
+    """The ServerConfig of the leaf flags `args` has (the others keep their defaults)."""
+    values = {
+        leaf.name: getattr(args, leaf.name)
+        for leaf in leaf_fields(ServerConfig)
+        if hasattr(args, leaf.name)
+    }
     values["model"] = args.model_flag or args.model
-    values["api_key"] = _api_key(args, parser)
+    if args.command == "serve":
+        values["api_key"] = _api_key(args, parser)
     try:
         return ServerConfig.from_kwargs(**values)
     except ConfigError as e:
@@ -178,6 +257,21 @@ def _generate(args: argparse.Namespace) -> None:
     print(args.prompt + out[0].outputs[0].text)
 
 
+def _batch(args: argparse.Namespace, settings: ServerConfig) -> None:
+    from convoy.api.batch.offline import JobError, OfflineJob, run_batch
+
+    job = OfflineJob(args.input_file, args.output_file, args.error_file, settings)
+    try:
+        summary = run_batch(job)
+    except JobError as e:
+        print(f"convoy batch: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("convoy batch: interrupted; run the same command again to resume", file=sys.stderr)
+        sys.exit(130)
+    print(f"convoy batch: {summary.describe(job)}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -185,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         _serve(_settings(args, parser))
+    elif args.command == "batch":
+        _batch(args, _settings(args, parser))
     else:
         _generate(args)
 

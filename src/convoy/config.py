@@ -9,134 +9,15 @@ help (and, where needed, a parser `kind` and `choices`); cli.py generates the `c
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Self
 
 
 class ConfigError(ValueError):
     """A configuration value is missing or out of range."""
-
-
-@dataclass(slots=True)
-class ModelConfig:
-    """The architecture facts the model code needs, read from a Hugging Face config.json."""
-
-    architecture: str  # e.g. "LlamaForCausalLM", "Gemma3ForCausalLM"
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope_scaling: dict[str, Any] | None = None
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    hidden_act: str = "silu"
-    # Per-layer attention window (None = full attention); Gemma 3 and Mistral-style models.
-    sliding_window: int | None = None
-    layer_types: list[str] = field(default_factory=list)
-    rope_local_theta: float | None = None  # rope base on sliding layers (Gemma 3)
-    query_pre_attn_scalar: float | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-
-    def layer_window(self, layer_idx: int) -> int | None:
-        """Attention window of one layer: None means the layer attends to the whole context."""
-        if self.layer_types and self.layer_types[layer_idx] == "sliding_attention":
-            return self.sliding_window
-        return None
-
-    @classmethod
-    def from_file(cls, path: Path) -> ModelConfig:
-        with open(path) as f:
-            raw = json.load(f)
-        try:
-            return cls.from_dict(raw)
-        except (KeyError, TypeError) as e:
-            raise ConfigError(f"{path}: missing or malformed field {e}") from e
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        if "text_config" in raw:  # multimodal wrappers keep the language model's config here
-            raw = {**raw["text_config"], "architectures": raw.get("architectures")}
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else raw.get("model_type", "unknown")
-        num_heads = raw["num_attention_heads"]
-        hidden = raw["hidden_size"]
-        head_dim = raw.get("head_dim") or hidden // num_heads
-        model_type = raw.get("model_type", "")
-        rope_theta, rope_local, rope_scaling = _rope_fields(raw)
-        num_layers = raw["num_hidden_layers"]
-        layer_types = list(raw.get("layer_types") or [])
-        sliding_window = raw.get("sliding_window")
-        if model_type.startswith("gemma3") and not layer_types:
-            pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
-            layer_types = [
-                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                for i in range(num_layers)
-            ]
-        if model_type.startswith(("qwen2", "qwen3")) and not raw.get("use_sliding_window"):
-            sliding_window, layer_types = None, []
-        if sliding_window and not layer_types:
-            layer_types = ["sliding_attention"] * num_layers
-        eos = raw.get("eos_token_id")
-        eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-        return cls(
-            architecture=arch,
-            model_type=model_type,
-            vocab_size=raw["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=raw["intermediate_size"],
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=bool(raw.get("attention_bias", False)) or model_type == "qwen2",
-            qk_norm=model_type.startswith(("qwen3", "gemma3")),
-            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
-            sliding_window=sliding_window,
-            layer_types=layer_types,
-            rope_local_theta=rope_local,
-            query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=[int(e) for e in eos_ids],
-        )
-
-
-def _rope_fields(raw: dict[str, Any]) -> tuple[float, float | None, dict[str, Any] | None]:
-    """(global base, sliding-layer base, scaling) from either the legacy or the v5 config keys."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
-        full = params["full_attention"]
-        local = params.get("sliding_attention", {}).get("rope_theta")
-        return float(full["rope_theta"]), local, _scaling(full)
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"]), raw.get("rope_local_base_freq"), _scaling(params)
-    scaling = raw.get("rope_scaling")
-    return float(raw.get("rope_theta", 10000.0)), raw.get("rope_local_base_freq"), _scaling(scaling)
-
-
-def _scaling(params: dict[str, Any] | None) -> dict[str, Any] | None:
-    if not params:
-        return None
-    kind = params.get("rope_type") or params.get("type") or "default"
-    return None if kind == "default" else {**params, "rope_type": kind}
 
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -304,6 +185,15 @@ class SchedulerConfig(_Config):
     max_model_len: int | None = setting(
         None, "longest prompt + completion (default: the model's context length)", kind="positive"
     )
+    batch_share: float = setting(
+        0.25,
+        "share of --max-num-seqs (and of the step's tokens) that Batch API lines keep while"
+        " interactive requests wait or run; their other running sequences pause",
+    )
+
+    def _validate(self) -> None:
+        if not 0 < self.batch_share <= 1:
+            raise ConfigError(f"batch_share must be in (0, 1], got {self.batch_share}")
 
 
 @dataclass(slots=True)
@@ -378,6 +268,20 @@ class ServerConfig(_Config):
         60,
         "seconds a request body may send no bytes before the server answers 408 and closes the"
         " connection",
+        kind="positive",
+    )
+    data_dir: str | None = setting(
+        None,
+        "folder for /v1/files and /v1/batches state (default: $CONVOY_DATA_DIR, else"
+        " ~/.local/share/convoy); one server per folder",
+    )
+    max_file_bytes: int = setting(
+        200 << 20, "largest upload to /v1/files (larger: 413)", kind="size"
+    )
+    batch_window: int = setting(
+        86400,
+        "seconds a batch may run before it expires (what completion_window '24h' means here;"
+        " shorter for tests)",
         kind="positive",
     )
     log_level: str = setting(

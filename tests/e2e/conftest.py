@@ -26,6 +26,7 @@ from tests.e2e.helpers import API_KEY, MODEL
 
 MAX_QUEUE = 64  # sequences in flight; also the most one request may start
 MAX_REQUEST_BYTES = 1 << 20
+MAX_FILE_BYTES = 4 << 20  # over MAX_REQUEST_BYTES: uploads have their own limit
 STARTUP_TIMEOUT_S = 300  # first start converts the GGUF; later starts take seconds
 SHUTDOWN_TIMEOUT_S = 60
 
@@ -88,7 +89,8 @@ def start_server(serve_args: list[str], log_dir: Path) -> Server:
     log_path = log_dir / "server.log"
     cmd = [sys.executable, "-m", "convoy.cli", "serve", *serve_args,
            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    env = {**os.environ, "CONVOY_API_KEY": API_KEY}
+    # NOTE: each server its own data folder: two servers never share files and batches.
+    env = {**os.environ, "CONVOY_API_KEY": API_KEY, "CONVOY_DATA_DIR": str(log_dir / "data")}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)
@@ -111,7 +113,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args = [
         MODEL, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "256MiB",
         "--max-queue-seqs", str(MAX_QUEUE), "--max-seqs-per-request", str(MAX_QUEUE),
-        "--max-request-bytes", str(MAX_REQUEST_BYTES),
+        "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-file-bytes", str(MAX_FILE_BYTES),
     ]  # fmt: skip
     server = start_server(args, tmp_path_factory.mktemp("server"))
     try:

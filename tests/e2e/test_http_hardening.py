@@ -143,6 +143,18 @@ def test_a_stalled_body_gets_408_while_others_are_served(
     _complete(openai_client, "Hello again")
 
 
+def test_a_stalled_upload_gets_408_and_leaves_no_temp_file(hardened: Server) -> None:
+    """Uploads have their own size limit, not their own patience: 2 MiB of a file, then nothing."""
+    head = _head("/v1/files", {"Content-Type": "multipart/form-data; boundary=B",
+                               "Content-Length": str(8 << 20)})  # fmt: skip
+    part = b'--B\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\n'
+    with _connect(hardened) as slow:
+        slow.sendall(head + part + b"x" * (2 << 20))
+        response, payload = _response(slow)
+    assert "sent nothing" in _error(response.status, payload, 408)["message"]
+    assert list((hardened.log_path.parent / "data" / "tmp").iterdir()) == []
+
+
 def test_a_chunked_body_past_the_limit_gets_413(hardened: Server) -> None:
     chunk = b"x" * (64 << 10)
     frame = b"%x\r\n%s\r\n" % (len(chunk), chunk)

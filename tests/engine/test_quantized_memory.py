@@ -131,7 +131,7 @@ def _tiny_untied_gguf(folder: Path) -> ResolvedModel:
     norms/biases, with the config.json the converter writes (no tokenizer: not needed here)."""
     import json
 
-    from convoy.config import ModelConfig
+    from convoy.model_config import ModelConfig
     from convoy.models.gguf_convert import _config
     from convoy.models.registry import gguf_family
 

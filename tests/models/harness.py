@@ -7,7 +7,7 @@ import random
 import torch
 from torch import nn
 
-from convoy.config import ModelConfig
+from convoy.model_config import ModelConfig
 from convoy.sampling_params import SamplingParams
 from convoy.worker.batch import PromptScoring, SamplerRow, ScheduledSeq
 from convoy.worker.kv_cache import allocate_kv_cache

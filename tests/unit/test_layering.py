@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import its own layer and the ones below it, never above):
 
-    common (config, sampling_params, outputs)   kernels (imports no other layer)
+    common (config, model_config, sampling_params, outputs)   kernels (imports no other layer)
     models -> worker -> engine -> api -> entry points (llm, cli, the package __init__)
 
 Every file under src/convoy is classified (a new package or top-level module must be added
@@ -20,7 +20,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 PKG = SRC / "convoy"
 
-COMMON = {"config", "sampling_params", "outputs"}
+COMMON = {"config", "model_config", "sampling_params", "outputs"}
 ENTRY = {"__init__", "llm", "cli"}
 PACKAGES = ["kernels", "models", "worker", "engine", "api"]
 RANK = {"common": 0, "kernels": 1, "models": 2, "worker": 3, "engine": 4, "api": 5, "entry": 6}

@@ -9,7 +9,9 @@ Admission counts sequences (prompts x max(n, best_of)), not requests: one reques
 most `max_seqs_per_request` (more: 400), and all requests together hold at most `max_queue_seqs`
 (more: 429 with Retry-After). A request reserves all its sequences in one synchronous step (no
 await between the check and the reservation, so concurrent requests cannot race past the bound)
-and gives each engine request's share back when that request ends.
+and gives each engine request's share back when that request ends. Batch API lines (priority
+BATCH) are outside `max_queue_seqs`: the batch executor bounds them with its own window, and the
+scheduler runs them after interactive work, so they never make an interactive request see 429.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from convoy.api.errors import APIError
 from convoy.api.metrics import RequestRecord
+from convoy.engine.request import Priority
 from convoy.outputs import RequestOutput
 from convoy.sampling_params import SamplingParams
 
@@ -58,19 +61,24 @@ class ServingLimits:
 class _Admission:
     """The engine requests and sequences one API request holds; given back as they end."""
 
-    __slots__ = ("client", "num_requests", "num_seqs")
+    __slots__ = ("client", "num_requests", "num_seqs", "is_queued")
 
-    def __init__(self, client: EngineClient, num_requests: int, num_seqs: int) -> None:
+    def __init__(
+        self, client: EngineClient, num_requests: int, num_seqs: int, is_queued: bool = True
+    ) -> None:
         self.client, self.num_requests, self.num_seqs = client, num_requests, num_seqs
+        self.is_queued = is_queued  # counted against max_queue_seqs (not for Batch API lines)
         client.num_in_flight += num_requests
-        client.num_seqs_in_flight += num_seqs
+        if is_queued:
+            client.num_seqs_in_flight += num_seqs
 
     def release(self, num_requests: int, num_seqs: int) -> None:
         num_requests, num_seqs = min(num_requests, self.num_requests), min(num_seqs, self.num_seqs)
         self.num_requests -= num_requests
         self.num_seqs -= num_seqs
         self.client.num_in_flight -= num_requests
-        self.client.num_seqs_in_flight -= num_seqs
+        if self.is_queued:
+            self.client.num_seqs_in_flight -= num_seqs
 
     def release_all(self) -> None:
         self.release(self.num_requests, self.num_seqs)
@@ -91,8 +99,9 @@ class EngineClient:
         self.engine = engine
         self.served_model_name = served_model_name
         self.limits = limits
-        self.num_in_flight = 0  # engine requests admitted and not yet finished (a /metrics gauge)
-        self.num_seqs_in_flight = 0  # their sequences: what max_queue_seqs bounds
+        # Engine requests admitted and not yet finished, Batch API lines too (a /metrics gauge).
+        self.num_in_flight = 0
+        self.num_seqs_in_flight = 0  # their sequences but batch ones: what max_queue_seqs bounds
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -144,11 +153,17 @@ class EngineClient:
         self.engine.frontend.inputs.check_token_ids(token_ids, param)
 
     def process(
-        self, api_id: str, prompts: list[Prompt], params: SamplingParams, param: str
+        self,
+        api_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        param: str,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> list[EngineRequest]:
         """The engine's front-door checks for every prompt, before any prompt is queued.
 
-        Prompt i becomes engine request `{api_id}-{i}`; all share the group `api_id`.
+        Prompt i becomes engine request `{api_id}-{i}`; all share the group `api_id` and
+        `priority`.
         """
         self.check_num_seqs(len(prompts), params, param)
         return [
@@ -160,6 +175,7 @@ class EngineClient:
                 api_id,
                 param=param,
                 max_tokens_must_fit=True,
+                priority=priority,
             )  # fmt: skip
             for i, p in enumerate(prompts)
         ]
@@ -169,10 +185,13 @@ class EngineClient:
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Admit every prompt's sequences at once (or raise 429 now, before any response is
         started), then run each prompt as its own engine request; the returned stream yields
-        (prompt index, output) as they come."""
+        (prompt index, output) as they come. Batch-priority requests skip the queue bound."""
         num_seqs = sum(r.params.num_seqs for r in requests)
-        self.check_capacity(num_seqs)
-        return self._run(requests, record, _Admission(self, len(requests), num_seqs))
+        is_queued = not requests or requests[0].priority == Priority.INTERACTIVE
+        if is_queued:
+            self.check_capacity(num_seqs)
+        admission = _Admission(self, len(requests), num_seqs, is_queued)
+        return self._run(requests, record, admission)
 
     async def _run(
         self, requests: list[EngineRequest], record: RequestRecord, admission: _Admission

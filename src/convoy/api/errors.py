@@ -92,7 +92,7 @@ def from_exception(exc: Exception) -> APIError:
     return APIError(500, "internal server error")
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(exc: RequestValidationError) -> APIError:
     errors: list[Any] = list(exc.errors())
     if not errors:
         return APIError(400, "invalid request")
@@ -129,7 +129,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return error_json(_validation_error(exc))
+        return error_json(validation_error(exc))
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

@@ -16,12 +16,15 @@ from typing import Any
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from convoy.api.batch.files import FILES_PATH
 from convoy.api.errors import APIError, BodyTooLarge, error_body_bytes
 from convoy.api.metrics import RequestRecord, ServerMetrics
 
 logger = logging.getLogger("convoy.api.access")
 
 PUBLIC_PATHS = frozenset({"/health"})
+# Routes that hold their bodies to their own limit (uploads: --max-file-bytes), as they stream.
+SELF_LIMITED = frozenset({("POST", FILES_PATH)})
 
 
 async def send_error(send: Send, err: APIError) -> None:
@@ -113,7 +116,8 @@ class APIKeyMiddleware:
 class BodyLimitMiddleware:
     """413 for bodies over the limit: by Content-Length up front, else while reading (chunked
     bodies too); 408 for a body that sends nothing for `read_timeout` seconds (a slow client
-    must not hold a connection and its request forever)."""
+    must not hold a connection and its request forever). The SELF_LIMITED routes get the 408
+    but not this limit."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float | None = None) -> None:
         self.app = app
@@ -124,8 +128,9 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        is_limited = (scope["method"], scope["path"]) not in SELF_LIMITED
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if is_limited and declared.isdigit() and int(declared) > self.max_bytes:
             await send_error(send, APIError(413, BodyTooLarge(self.max_bytes).detail))
             return
         num_bytes = 0
@@ -141,7 +146,7 @@ class BodyLimitMiddleware:
                 raise BodyReadTimeout(self.read_timeout or 0) from None
             if message["type"] == "http.request":
                 num_bytes += len(message.get("body", b""))
-                if num_bytes > self.max_bytes:
+                if is_limited and num_bytes > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)
             is_body_read = not message.get("more_body", False)
             return message

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -21,6 +22,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
+from convoy.api.batch.db import BatchDB, DataDirBusy, default_data_dir
+from convoy.api.batch.files import add_file_routes
+from convoy.api.batch.routes import BatchMetrics, add_batch_routes, start_batches
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError, install_error_handlers
 from convoy.api.metrics import RequestRecord, ServerMetrics
@@ -69,7 +73,10 @@ _SCHEMA_REF = "#/components/schemas/{model}"
 ServerSettings = ServerConfig
 
 
-def _lifespan(settings: ServerSettings, engine: AsyncEngine | None, metrics: ServerMetrics) -> Any:
+def _lifespan(
+    settings: ServerSettings, engine: AsyncEngine | None, metrics: ServerMetrics,
+    batch_metrics: BatchMetrics,
+) -> Any:  # fmt: skip
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal engine
@@ -87,14 +94,30 @@ def _lifespan(settings: ServerSettings, engine: AsyncEngine | None, metrics: Ser
         app.state.engine, app.state.client = engine, client
         app.state.completions, app.state.chat = CompletionServing(client), ChatServing(client)
         app.state.created = int(time.time())
+        app.state.batch_db = _open_data_dir(settings)
+        start_batches(app, settings, batch_metrics)
         logger.info("serving %s (max_model_len %d)", name, engine.max_model_len)
         try:
             yield
         finally:
+            if app.state.batch_runner is not None:
+                await app.state.batch_runner.stop()  # finished lines committed, the rest resume
             logger.info("shutting down the engine")
             await engine.shutdown()
+            if app.state.batch_db is not None:
+                app.state.batch_db.close()
 
     return lifespan
+
+
+def _open_data_dir(settings: ServerSettings) -> BatchDB | None:
+    """The Batch API's data folder; None (those routes answer 503) when another server holds it."""
+    root = Path(settings.data_dir) if settings.data_dir else default_data_dir()
+    try:
+        return BatchDB(root)
+    except DataDirBusy as e:
+        logger.warning("files and batches are disabled: %s", e)
+        return None
 
 
 def build_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> FastAPI:
@@ -104,7 +127,7 @@ def build_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> Fa
         title="Convoy",
         version=VERSION,
         summary="OpenAI-compatible LLM server with continuous batching",
-        lifespan=_lifespan(settings, engine, metrics),
+        lifespan=_lifespan(settings, engine, metrics, BatchMetrics(metrics.registry)),
     )
     install_error_handlers(app)
     _describe_bodies(app)
@@ -119,6 +142,8 @@ def build_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> Fa
     app.add_middleware(RequestLogMiddleware, metrics=metrics)
     _add_generation_routes(app)
     _add_info_routes(app, metrics)
+    add_file_routes(app, settings)
+    add_batch_routes(app, settings)
     return app
 
 

@@ -22,6 +22,7 @@ from convoy.api.engine_client import EngineClient, Prompt, new_id
 from convoy.api.logprobs import TokenNames
 from convoy.api.metrics import RequestRecord
 from convoy.api.protocol import UsageInfo
+from convoy.engine.request import Priority
 from convoy.outputs import CompletionOutput, RequestOutput
 from convoy.sampling_params import SamplingParams
 
@@ -69,19 +70,28 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         self.client = client
 
     async def create(
-        self, request: RequestT, record: RequestRecord | None = None, body_size: int | None = None
+        self,
+        request: RequestT,
+        record: RequestRecord | None = None,
+        body_size: int | None = None,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> ResponseT | AsyncGenerator[ChunkT, None]:
         """Check everything, then run every prompt in the engine at once.
 
         Returns the response, or (stream: true) the chunks; `[DONE]` framing is the caller's.
         `body_size`: the request's size in bytes, if known (unknown counts as large).
+        `priority`: BATCH for Batch API lines (scheduled after interactive work, outside the
+        queue bound).
         """
         self.client.engine.check_available()  # a dead engine: 503 now, not inside a 200 stream
         self.client.check_model(request.model)
         request.check()
         params: SamplingParams = request.to_sampling_params()
         api_id = new_id(self.id_prefix)
-        prompts, engine_requests = await off_loop(body_size, self._prepare, request, params, api_id)
+        prompts, engine_requests = await off_loop(
+            body_size, self._prepare, request, params, api_id, priority
+        )
         record = record or RequestRecord(request_id=api_id)
         job = Job(
             api_id, int(time.time()), request, prompts, params.n, record,
@@ -95,12 +105,14 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         return await self.collect(job, outputs)
 
     def _prepare(
-        self, request: RequestT, params: SamplingParams, api_id: str
+        self, request: RequestT, params: SamplingParams, api_id: str, priority: Priority
     ) -> tuple[list[Prompt], list[EngineRequest]]:
         """Tokenize (through the chat template) and pass the engine's front door: the heavy part."""
         prompts = self.prompts(request)
         try:
-            return prompts, self.client.process(api_id, prompts, params, self.prompt_param)
+            return prompts, self.client.process(
+                api_id, prompts, params, self.prompt_param, priority
+            )
         except BaseException:
             # NOTE: free rejected token ids here, one list at a time: the traceback would keep
             # them until the event loop drops the error, and freeing millions of ids in one go

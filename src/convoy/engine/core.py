@@ -91,7 +91,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
-            num_running=len(s.running),
+            num_running=s.num_running,
             num_waiting=s.num_waiting,
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_kv_blocks_total=self.block_manager.num_blocks,

@@ -17,7 +17,7 @@ from convoy.engine.core import EngineCore
 from convoy.engine.errors import EngineStepError
 from convoy.engine.output_processor import SeqDelta
 from convoy.engine.parent_request import ParentRequest
-from convoy.engine.request import EngineRequest
+from convoy.engine.request import EngineRequest, Priority
 from convoy.outputs import RequestOutput
 from convoy.sampling_params import SamplingParams, SamplingParamsError
 
@@ -39,6 +39,7 @@ class InputProcessor:
         *,
         param: str = "prompt",
         max_tokens_must_fit: bool = False,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> EngineRequest:
         """Raise SamplingParamsError naming the offending field (`param` for the prompt).
 
@@ -56,7 +57,7 @@ class InputProcessor:
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias", allow_empty=True)
         return EngineRequest(
             request_id, prompt, list(prompt_token_ids), params, group_id or request_id,
-            time.monotonic(),
+            time.monotonic(), priority,
         )  # fmt: skip
 
     def check_token_ids(self, token_ids: list[int], param: str, allow_empty: bool = False) -> None:

@@ -49,6 +49,7 @@ class ParentRequest:
                 index=j,
                 seed=child_seed(r.params.seed, j),
                 eos_token_ids=eos_token_ids,
+                priority=r.priority,
             )
             for j in range(r.params.num_seqs)
         ]

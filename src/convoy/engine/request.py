@@ -10,6 +10,13 @@ from convoy.outputs import FinishReason, PositionLogprobs
 from convoy.sampling_params import SamplingParams
 
 
+class Priority(enum.IntEnum):
+    """Scheduling class: interactive requests go first; Batch API lines use what they leave."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
 @dataclass(slots=True, frozen=True)
 class EngineRequest:
     """One prompt that passed the front door's checks (`InputProcessor.process`), ready to run."""
@@ -20,6 +27,7 @@ class EngineRequest:
     params: SamplingParams
     group_id: str  # the API request it belongs to (fair scheduling); its own id when alone
     arrival: float
+    priority: Priority = Priority.INTERACTIVE
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +61,7 @@ class Request:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     first_token_time: float | None = None
+    priority: Priority = Priority.INTERACTIVE
 
     def __post_init__(self) -> None:
         if not self.token_ids:

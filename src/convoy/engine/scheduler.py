@@ -7,8 +7,16 @@ first); when blocks run out the newest running sequence is preempted (its blocks
 later). Waiting sequences are admitted group by group (a group is one API request), the group with
 the fewest running sequences first, so a small request is not stuck behind a 1,000-prompt one;
 when the sequence cap is reached, a group holding at least two more sequences than the newcomer's
-gives one up. Each group's waiting sequences are an ordered dict by id, so aborting any of them is
-O(1) (a client that drops a 1,024-prompt request must not stall the engine).
+gives one up (see SeqQueues: waiting sequences are an ordered dict per group, so aborts are O(1)).
+
+Two priority classes, each with its own queues: interactive requests, then Batch API lines. Each
+step schedules interactive running sequences, admits interactive newcomers, and only then
+schedules batch sequences with what is left. While interactive work waits or runs, batch
+sequences keep at most `batch_share` of the sequence cap and of the token budget: the running
+ones past that share are paused (kept with their blocks, not scheduled) until interactive work
+is gone. Victims (blocks or sequence slots) are batch sequences first, newest first; an
+interactive sequence is never preempted for a batch one. With no batch traffic the batch queues
+stay empty and cost nothing.
 
 The contract is vLLM v1's: add_request, schedule() -> SchedulerOutput, update_from_output
 (sched_out, runner_out) after the worker ran it, finish_requests(ids, reason) (stop strings, aborts).
@@ -17,13 +25,13 @@ The contract is vLLM v1's: add_request, schedule() -> SchedulerOutput, update_fr
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from convoy.config import SchedulerConfig
 from convoy.engine.block_manager import BlockManager, hash_prompt_blocks
-from convoy.engine.request import Request, RequestStatus
+from convoy.engine.request import Priority, Request, RequestStatus
+from convoy.engine.seq_queues import SeqQueues
 from convoy.outputs import FinishReason
 from convoy.worker.batch import ModelRunnerOutput, PromptScoring, SamplerRow, ScheduledSeq
 
@@ -41,35 +49,55 @@ class Scheduler:
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        # What batch sequences may use of a step while interactive work waits or runs.
+        self.max_shared_batch_seqs = max(1, int(config.batch_share * config.max_num_seqs))
+        self.max_shared_batch_tokens = max(
+            1, int(config.batch_share * config.max_num_batched_tokens)
+        )
         self.max_model_len = max_model_len
         self.bm = block_manager
         self.requests: dict[str, Request] = {}  # every sequence not yet finished
-        # group -> its waiting sequences by id, FIFO (preempted ones go back to the front)
-        self.waiting: dict[str, OrderedDict[str, Request]] = {}
-        self.num_waiting = 0
-        self.running: list[Request] = []  # admission order
-        self._num_finished_running = 0  # freed but not yet pruned from `running`
-        self.num_running_by_group: dict[str, int] = {}
+        self.interactive = SeqQueues()
+        self.batch = SeqQueues()
+        self._queues = (self.interactive, self.batch)  # indexed by Priority
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # totals since start (one prompt counted once, not per child)
         self.num_generation_tokens = 0
         self.num_computed_tokens = 0  # tokens run through the model (prompts, chunks, decodes)
 
+    @property
+    def running(self) -> list[Request]:
+        """Every running sequence (paused batch ones too), interactive first; a new list."""
+        return self.interactive.running + self.batch.running
+
+    @property
+    def num_running(self) -> int:
+        return len(self.interactive.running) + len(self.batch.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.interactive.num_waiting + self.batch.num_waiting
+
     def has_work(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        fg, bg = self.interactive, self.batch
+        return bool(fg.running or fg.waiting or bg.running or bg.waiting)
 
     def add_request(self, req: Request) -> None:
         req.block_hashes = self._hashes(req)
         self.requests[req.req_id] = req
-        self._enqueue(req)
+        self._queues[req.priority].enqueue(req)
         if req.index == 0:
             self.num_prompt_tokens += req.num_prompt_tokens
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        fg = self.interactive
+        is_shared = bool(fg.running or fg.waiting)  # batch sequences keep only their share
+        budget = self._schedule_running(out, fg.running, self.max_num_batched_tokens)
+        if fg.waiting and not any(r.priority == Priority.INTERACTIVE for r in out.preempted):
+            budget = self._schedule_waiting(out, fg, budget, self.max_num_seqs)
+        if self.batch.running or self.batch.waiting:
+            self._schedule_batch(out, budget, is_shared)
         out.seqs = [_scheduled_seq(req, num_new) for req, num_new in out.scheduled]
         return out
 
@@ -144,30 +172,49 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         """Remove a sequence (finished or aborted) from the queues and free its blocks.
 
-        NOTE: a running sequence stays in `self.running` until `_prune_running`, so ending many
-        at once rebuilds the list once instead of searching it per sequence.
+        NOTE: a running sequence stays in its `running` list until `_prune_running`, so ending
+        many at once rebuilds the list once instead of searching it per sequence.
         """
         self.requests.pop(req.req_id, None)
+        q = self._queues[req.priority]
         if req.status == RequestStatus.RUNNING:
-            self._num_finished_running += 1
-            self._count(req.group_id, -1)
+            q.num_finished_running += 1
+            q.count(req.group_id, -1)
         elif req.status == RequestStatus.WAITING:
-            self._dequeue(req)
+            q.dequeue(req)
         self.bm.free(req)
         req.status = RequestStatus.FINISHED
 
     def _prune_running(self) -> None:
-        if self._num_finished_running:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
-            self._num_finished_running = 0
+        self.interactive.prune()
+        self.batch.prune()
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+    def _schedule_batch(self, out: SchedulerOutput, budget: int, is_shared: bool) -> None:
+        """Batch sequences get what interactive ones left; while interactive work is present, at
+        most their share of sequences and tokens (the running ones past it are paused: they
+        keep their blocks and are simply not scheduled)."""
+        bg = self.batch
+        limit, batch_budget = self.max_num_seqs, budget  # the cap: no limit of its own
+        if is_shared:
+            limit = self.max_shared_batch_seqs
+            batch_budget = min(budget, self.max_shared_batch_tokens)
+        num_before = len(out.scheduled)
+        batch_budget = self._schedule_running(out, bg.running, batch_budget, limit)
+        num_scheduled = len(out.scheduled) - num_before
+        if bg.waiting and not out.preempted and num_scheduled < limit:
+            self._schedule_waiting(out, bg, batch_budget, limit - num_scheduled)
+
+    def _schedule_running(
+        self, out: SchedulerOutput, running: list[Request], budget: int, limit: int | None = None
+    ) -> int:
+        """Schedule the oldest `limit` of `running` (all by default) while tokens are left;
+        returns the tokens left."""
+        i, limit = 0, len(running) if limit is None else limit
+        while i < len(running) and i < limit and budget > 0:
+            req = running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.bm.allocate(req, num_new):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim, out)
                 if victim is req:
                     return budget
@@ -176,53 +223,62 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _victim(self) -> Request:
+        """Who gives blocks back: the newest batch sequence (paused ones are the newest), else
+        the newest interactive one. Batch sequences are scheduled last, so a batch sequence
+        short of blocks always finds a batch victim (itself at worst)."""
+        return (self.batch.running or self.interactive.running)[-1]
+
+    def _schedule_waiting(
+        self, out: SchedulerOutput, q: SeqQueues, budget: int, max_new: int
+    ) -> int:
+        """Admit up to `max_new` of q's waiting sequences, fewest-running group first; returns
+        the tokens left."""
         held_back: set[str] = set()
-        while budget > 0:
-            group = self._next_group(held_back)
+        while budget > 0 and max_new > 0:
+            group = q.next_group(held_back)
             if group is None:
-                return
-            req = next(iter(self.waiting[group].values()))
+                break
+            req = next(iter(q.waiting[group].values()))
             cached = self.bm.get_computed_blocks(req)
             if self.bm.is_prefix_pending(req, len(cached)):
                 held_back.add(group)  # reuse that block next step instead of computing it twice
                 continue
-            if len(self.running) >= self.max_num_seqs and not self._make_room(group, out):
-                return
+            if self.num_running >= self.max_num_seqs and not self._make_room(q, group, out):
+                break
             num_new = min(req.num_tokens - len(cached) * self.bm.block_size, budget)
-            if not self.bm.allocate(req, num_new, cached):
-                return
+            if not self._allocate_new(req, num_new, cached, out):
+                break
             req.num_computed_tokens = len(cached) * self.bm.block_size
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
-            self._dequeue(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._count(group, +1)
+            q.admit(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+            max_new -= 1
+        return budget
 
-    def _next_group(self, held_back: set[str]) -> str | None:
-        """The waiting group with the fewest running sequences (oldest group on ties)."""
-        best, best_count = None, -1
-        for group in self.waiting:  # dict order = order the groups arrived
-            if group in held_back:
-                continue
-            count = self.num_running_by_group.get(group, 0)
-            if best is None or count < best_count:
-                best, best_count = group, count
-        return best
+    def _allocate_new(
+        self, req: Request, num_new: int, cached: list[int], out: SchedulerOutput
+    ) -> bool:
+        """Blocks for a newcomer; an interactive one takes them from batch sequences if it must
+        (a batch newcomer waits)."""
+        while not self.bm.allocate(req, num_new, cached):
+            if req.priority == Priority.BATCH or not self.batch.running:
+                return False
+            self._preempt(self.batch.running[-1], out)
+        return True
 
-    def _make_room(self, group: str, out: SchedulerOutput) -> bool:
-        """At the sequence cap: preempt one sequence of the largest group if it holds at least two
-        more than `group` (fair share); else the newcomer waits."""
-        big = max(
-            self.num_running_by_group, key=lambda g: self.num_running_by_group[g], default=None
-        )
-        mine = self.num_running_by_group.get(group, 0)
-        if big is None or big == group or self.num_running_by_group[big] - mine < 2:
+    def _make_room(self, q: SeqQueues, group: str, out: SchedulerOutput) -> bool:
+        """At the sequence cap: an interactive newcomer takes the newest batch sequence's slot;
+        else one sequence of the class's largest group gives way if that is fair (see
+        SeqQueues.fair_share_victim); else the newcomer waits."""
+        if q is self.interactive and self.batch.running:
+            self._preempt(self.batch.running[-1], out)
+            return True
+        victim = q.fair_share_victim(group)
+        if victim is None:
             return False
-        victim = next(r for r in reversed(self.running) if r.group_id == big)
         self._preempt(victim, out)
         return True
 
@@ -231,37 +287,15 @@ class Scheduler:
             if scheduled is req:
                 del out.scheduled[i]
                 break
-        self.running.remove(req)
-        self._count(req.group_id, -1)
+        q = self._queues[req.priority]
+        q.stop_running(req)
         self.bm.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
-        self._enqueue(req, front=True)
+        q.enqueue(req, front=True)
         out.preempted.append(req)
-
-    def _enqueue(self, req: Request, front: bool = False) -> None:
-        queue = self.waiting.setdefault(req.group_id, OrderedDict())
-        queue[req.req_id] = req
-        if front:
-            queue.move_to_end(req.req_id, last=False)
-        self.num_waiting += 1
-
-    def _dequeue(self, req: Request) -> None:
-        """Take a waiting sequence out of its group's queue (the head, or any one: an abort)."""
-        queue = self.waiting[req.group_id]
-        del queue[req.req_id]
-        if not queue:
-            del self.waiting[req.group_id]
-        self.num_waiting -= 1
-
-    def _count(self, group: str, delta: int) -> None:
-        n = self.num_running_by_group.get(group, 0) + delta
-        if n:
-            self.num_running_by_group[group] = n
-        else:
-            self.num_running_by_group.pop(group, None)
 
     def _hashes(self, req: Request) -> list[bytes]:
         if not self.bm.enable_prefix_caching:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from convoy.config import ModelConfig
+from convoy.model_config import ModelConfig
 from convoy.models.attention import AttentionMetadata
 from convoy.models.layers import CausalLM, RMSNorm, RotaryEmbedding, token_embedding
 from convoy.models.llama import LlamaAttention, LlamaMLP

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from convoy import kernels
-from convoy.config import ModelConfig
+from convoy.model_config import ModelConfig
 from convoy.models.attention import AttentionMetadata
 
 

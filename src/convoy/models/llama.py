@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from convoy import kernels
-from convoy.config import ModelConfig
+from convoy.model_config import ModelConfig
 from convoy.models.attention import Attention, AttentionMetadata
 from convoy.models.layers import (
     CausalLM,

@@ -37,8 +37,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from convoy.config import ConfigError, ModelConfig
+from convoy.config import ConfigError
 from convoy.kernels.linear import QuantLinear, use_quantized
+from convoy.model_config import ModelConfig
 from convoy.models.gguf_convert import (
     ModelLoadError,
     _config,

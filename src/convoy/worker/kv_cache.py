@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convoy.config import ModelConfig
+from convoy.model_config import ModelConfig
 
 
 @dataclass(slots=True)

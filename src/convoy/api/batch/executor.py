@@ -1,0 +1,183 @@
+"""Running batch lines: each line calls the same serving code as an HTTP request, in the engine's
+batch priority class, at most `window` lines at a time; finished lines go to a ledger in groups.
+
+    lines --(window)--> serving.create(body, priority=BATCH) --> LineResult --(groups)--> ledger
+
+Shared by the server's Batch API (`runner.py`) and `convoy batch` (`offline.py`). A line never
+fails the run: a bad body or a failed step is that line's error result. Only an engine that is
+gone (dead, shutting down) stops the run, leaving its lines uncommitted to run again later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from convoy.api.batch.lines import InputLine, LineError
+from convoy.api.errors import from_exception, validation_error
+from convoy.api.serving_base import ServingBase
+from convoy.engine.errors import EngineUnavailableError
+from convoy.engine.request import Priority
+
+FLUSH_LINES = 64  # a commit (one fsync per part file + one transaction) every this many lines
+FLUSH_S = 0.25  # or this often, when lines finish slowly
+
+
+@dataclass(slots=True)
+class LineResult:
+    index: int
+    custom_id: str | None
+    ok: bool  # 200: the output file; else the error file
+    text: str  # the whole output line, newline included
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+Ledger = Callable[[list[LineResult]], Awaitable[None]]  # make a group of results durable
+
+
+@dataclass(slots=True)
+class Route:
+    """One endpoint a batch may name: its request model and serving object."""
+
+    request_type: type[BaseModel]
+    serving: ServingBase[Any, Any, Any]
+
+
+def response_line(custom_id: str | None, status: int, body_json: str) -> str:
+    """OpenAI's batch output line around an HTTP answer (`body_json`: what the route returns)."""
+    return (
+        f'{{"id": "batch_req_{uuid.uuid4().hex}", "custom_id": {json.dumps(custom_id)},'
+        f' "response": {{"status_code": {status}, "request_id": "req_{uuid.uuid4().hex}",'
+        f' "body": {body_json}}}, "error": null}}\n'
+    )
+
+
+def error_line(custom_id: str | None, code: str, message: str) -> str:
+    """A line that got no HTTP answer (unparsable, expired): `response` null, `error` set."""
+    error = json.dumps({"code": code, "message": message})
+    return (
+        f'{{"id": "batch_req_{uuid.uuid4().hex}", "custom_id": {json.dumps(custom_id)},'
+        f' "response": null, "error": {error}}}\n'
+    )
+
+
+def line_error_result(index: int, err: LineError, custom_id: str | None = None) -> LineResult:
+    return LineResult(index, custom_id, False, error_line(custom_id, err.code, err.message))
+
+
+class BatchExecutor:
+    """Runs batches' lines; `window` bounds the lines in flight over all runs together."""
+
+    def __init__(
+        self, routes: dict[str, Route], window: int,
+        on_result: Callable[[LineResult], None] | None = None,  # metrics, progress bars
+    ) -> None:  # fmt: skip
+        self.routes = routes
+        self.window = window
+        self.on_result = on_result
+        self._slots = asyncio.Semaphore(window)
+
+    async def run(
+        self, endpoint: str, lines: Iterable[InputLine | LineResult], ledger: Ledger
+    ) -> None:
+        """Run every line (a LineResult is already answered: only committed), in the window.
+
+        Cancelling the run cancels the lines in flight (their engine requests are aborted) and
+        commits what had finished before returning. An EngineUnavailableError (engine dead or
+        shutting down) stops the run the same way and is raised.
+        """
+        run = _Run(self.routes[endpoint], ledger, self.on_result)
+        flusher = asyncio.create_task(run.flush_every())
+        try:
+            for line in lines:
+                await self._slots.acquire()
+                if run.failure:
+                    self._slots.release()
+                    break
+                task = asyncio.create_task(run.one(line, self._slots))
+                run.tasks.add(task)
+                task.add_done_callback(run.tasks.discard)
+            while run.tasks and not run.failure:
+                await asyncio.wait(set(run.tasks), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in run.tasks:
+                task.cancel()
+            await asyncio.gather(*run.tasks, return_exceptions=True)
+            run.stop.set()
+            # NOTE: shielded: a commit in progress must end before anyone moves the part files.
+            await asyncio.shield(flusher)
+        if run.failure:
+            raise run.failure[0]
+
+
+class _Run:
+    """One run's lines in flight and finished results not yet committed."""
+
+    def __init__(
+        self, route: Route, ledger: Ledger, on_result: Callable[[LineResult], None] | None
+    ) -> None:
+        self.route, self.ledger, self.on_result = route, ledger, on_result
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.failure: list[BaseException] = []
+        self.pending: list[LineResult] = []
+        self.stop = asyncio.Event()
+
+    async def one(self, line: InputLine | LineResult, slots: asyncio.Semaphore) -> None:
+        try:
+            result = line if isinstance(line, LineResult) else await run_line(self.route, line)
+        except EngineUnavailableError as e:
+            self.failure.append(e)
+            return
+        finally:
+            slots.release()
+        self.pending.append(result)
+        if self.on_result is not None:
+            self.on_result(result)
+
+    async def flush_every(self) -> None:
+        """Commit finished lines in groups until the run stops, then the rest."""
+        while not self.stop.is_set():
+            if len(self.pending) < FLUSH_LINES:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), FLUSH_S)
+            if self.pending:
+                group, self.pending = self.pending, []
+                await self.ledger(group)
+        if self.pending:
+            group, self.pending = self.pending, []
+            await self.ledger(group)
+
+
+async def run_line(route: Route, line: InputLine) -> LineResult:
+    """One line through the serving code, as its HTTP request would run (greedy output equal)."""
+    try:
+        try:
+            request = route.request_type.model_validate_json(line.body)
+        except ValidationError as e:
+            located = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+            raise validation_error(RequestValidationError(located)) from None
+        response = await route.serving.create(request, priority=Priority.BATCH)
+        assert isinstance(response, BaseModel)  # stream: true was refused when the line was read
+    except EngineUnavailableError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the line's own error, as HTTP would answer it
+        err = from_exception(e)
+        body = err.to_response().model_dump_json()
+        return LineResult(
+            line.index, line.custom_id, False, response_line(line.custom_id, err.status, body)
+        )
+    usage = getattr(response, "usage", None)
+    return LineResult(
+        line.index, line.custom_id, True,
+        response_line(line.custom_id, 200, response.model_dump_json()),
+        usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,
+    )  # fmt: skip

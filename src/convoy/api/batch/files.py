@@ -1,0 +1,248 @@
+"""/v1/files: uploads streamed to disk (upload.py), listed, read back and deleted.
+
+Shapes as the official `openai` client's FileObject, FileDeleted and cursor page. Every database
+call and every disk read or write runs in a worker thread: a commit fsyncs, and the database
+mutex may be held by a batch committing its lines, so the event loop never waits on either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from typing import Any, BinaryIO, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import StreamingResponse
+
+from convoy.api.batch.db import BatchDB, FileRow
+from convoy.api.batch.upload import MAX_FORM_OVERHEAD, PURPOSES, Upload, file_too_large
+from convoy.api.errors import APIError
+from convoy.api.protocol import ErrorResponse, OpenAIModel
+from convoy.config import ServerConfig
+
+FILES_PATH = "/v1/files"
+MAX_LIST_LIMIT = 10_000
+CHUNK_BYTES = 1 << 20  # upload and download granularity: one worker-thread hop per MiB
+_COLUMNS = "id, bytes, created_at, filename, purpose"
+# Purposes whose files are JSONL by contract; others are sent as opaque bytes.
+_JSONL_PURPOSES = frozenset({"batch", "batch_output"})
+
+
+class FileObject(OpenAIModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+    @classmethod
+    def of(cls, row: FileRow) -> FileObject:
+        return cls(
+            id=row.id,
+            bytes=row.bytes,
+            created_at=row.created_at,
+            filename=row.filename,
+            purpose=row.purpose,
+        )
+
+
+class FileList(OpenAIModel):
+    """A cursor page: the client asks for the next one with `after=last_id` while `has_more`."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(OpenAIModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+_UPLOAD_DOCS: dict[str, Any] = {
+    "responses": _errors(400, 413, 503),
+    "openapi_extra": {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["file", "purpose"],
+                        "properties": {
+                            "file": {"type": "string", "format": "binary"},
+                            "purpose": {"type": "string", "enum": list(PURPOSES)},
+                        },
+                    }
+                }
+            },
+        }
+    },
+}
+
+
+def add_file_routes(app: FastAPI, settings: ServerConfig) -> None:
+    """The /v1/files routes over `app.state.batch_db` (None: 503)."""
+
+    def db_of(request: Request) -> BatchDB:
+        db: BatchDB | None = request.app.state.batch_db
+        if db is None:
+            message = (
+                "files and batches are unavailable: another Convoy process holds this server's"
+                " data folder (give each server its own --data-dir)"
+            )
+            raise APIError(503, message, code="data_dir_busy")
+        return db
+
+    @app.post(FILES_PATH, **_UPLOAD_DOCS)
+    async def create_file(request: Request) -> FileObject:
+        row = await _receive_upload(request, db_of(request), settings.max_file_bytes)
+        return FileObject.of(row)
+
+    @app.get(FILES_PATH, responses=_errors(400, 503))
+    async def list_files(
+        request: Request,
+        purpose: str | None = None,
+        limit: int = Query(MAX_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> FileList:
+        db = db_of(request)
+        rows = await asyncio.to_thread(db.read, lambda c: _page(c, purpose, limit, order, after))
+        if rows is None:
+            raise APIError(400, f"after: no file with id {after!r}", param="after")
+        data = [FileObject.of(FileRow(*row)) for row in rows[:limit]]
+        first_id, last_id = (data[0].id, data[-1].id) if data else (None, None)
+        return FileList(data=data, first_id=first_id, last_id=last_id, has_more=len(rows) > limit)
+
+    @app.get(FILES_PATH + "/{file_id}", responses=_errors(404, 503))
+    async def retrieve_file(request: Request, file_id: str) -> FileObject:
+        return FileObject.of(await _get(db_of(request), file_id))
+
+    @app.get(
+        FILES_PATH + "/{file_id}/content",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/octet-stream": {}}}, **_errors(404, 503)},
+    )
+    async def file_content(request: Request, file_id: str) -> StreamingResponse:
+        db = db_of(request)
+        row = await _get(db, file_id)
+        try:
+            # NOTE: opened before answering, so a DELETE from now on cannot cut the stream short.
+            f = await asyncio.to_thread(open, db.file_path(file_id), "rb")
+        except FileNotFoundError:  # deleted since the lookup
+            raise _not_found(file_id) from None
+        media = (
+            "application/jsonl" if row.purpose in _JSONL_PURPOSES else "application/octet-stream"
+        )
+        headers = {"content-length": str(row.bytes)}
+        return StreamingResponse(_read_chunks(f), media_type=media, headers=headers)
+
+    @app.delete(FILES_PATH + "/{file_id}", responses=_errors(404, 409, 503))
+    async def delete_file(request: Request, file_id: str) -> FileDeleted:
+        db = db_of(request)
+        await _get(db, file_id)
+        deleted = await asyncio.to_thread(_delete, db, file_id)
+        if deleted is None:
+            message = f"file {file_id} is the input of a batch in progress; cancel the batch first"
+            raise APIError(409, message, param="id", code="file_in_use")
+        if not deleted:
+            raise _not_found(file_id)  # a concurrent DELETE won
+        return FileDeleted(id=file_id, deleted=True)
+
+
+async def _receive_upload(request: Request, db: BatchDB, max_file_bytes: int) -> FileRow:
+    """Stream the body into an Upload a MiB at a time (parsed and written in a worker thread).
+
+    The limit is checked on Content-Length first, then on the bytes as they come (a chunked
+    body, or one that lies); the file part itself is held to `max_file_bytes` exactly.
+    """
+    max_body = max_file_bytes + MAX_FORM_OVERHEAD
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_body:
+        raise file_too_large(max_file_bytes)
+    upload = Upload(db, request.headers.get("content-type", ""), max_file_bytes)
+    try:
+        pending: list[bytes] = []
+        num_pending = num_body = 0
+        async for chunk in request.stream():
+            num_body += len(chunk)
+            if num_body > max_body:
+                raise file_too_large(max_file_bytes)
+            pending.append(chunk)
+            num_pending += len(chunk)
+            if num_pending >= CHUNK_BYTES:
+                await asyncio.to_thread(upload.feed, pending)
+                pending, num_pending = [], 0
+        await asyncio.to_thread(upload.feed, pending)
+        return await asyncio.to_thread(upload.commit, db)
+    finally:
+        await asyncio.to_thread(upload.discard)
+
+
+def _page(
+    conn: sqlite3.Connection, purpose: str | None, limit: int, order: str, after: str | None
+) -> list[Any] | None:
+    """Up to limit + 1 rows after the cursor (one more tells `has_more`); None: unknown cursor."""
+    where: list[str] = []
+    args: list[Any] = []
+    if after is not None:
+        cursor = conn.execute("SELECT seq FROM files WHERE id = ?", (after,)).fetchone()
+        if cursor is None:
+            return None
+        where.append("seq < ?" if order == "desc" else "seq > ?")
+        args.append(cursor[0])
+    if purpose is not None:
+        where.append("purpose = ?")
+        args.append(purpose)
+    sql = f"SELECT {_COLUMNS} FROM files"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += f" ORDER BY seq {'DESC' if order == 'desc' else 'ASC'} LIMIT ?"
+    return conn.execute(sql, (*args, limit + 1)).fetchall()
+
+
+def _not_found(file_id: str) -> APIError:
+    return APIError(404, f"No such File object: {file_id}", param="id")
+
+
+async def _get(db: BatchDB, file_id: str) -> FileRow:
+    row = await asyncio.to_thread(db.get_file, file_id)
+    if row is None:
+        raise _not_found(file_id)
+    return row
+
+
+def _delete(db: BatchDB, file_id: str) -> bool | None:
+    """Delete the row, then the bytes (a crash in between leaves only an orphan file).
+
+    None (nothing deleted) when a batch in progress uses the file: checked in the same
+    transaction, so a batch created meanwhile cannot lose its input.
+    """
+    with db.transaction() as conn:
+        if db.file_in_use(file_id, conn):
+            return None
+        num_deleted = conn.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
+    if num_deleted:
+        db.file_path(file_id).unlink(missing_ok=True)
+    return num_deleted > 0
+
+
+async def _read_chunks(f: BinaryIO) -> AsyncIterator[bytes]:
+    try:
+        while chunk := await asyncio.to_thread(f.read, CHUNK_BYTES):
+            yield chunk
+    finally:
+        f.close()

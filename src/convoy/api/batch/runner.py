@@ -1,0 +1,197 @@
+"""The server's batches, driven from the ledger: one task per batch that is not finished.
+
+    validating --one pass over the file--> in_progress | failed (errors name the lines)
+    in_progress --every line committed--> finalizing --output files registered--> completed
+    in_progress --expires_at passed--> (unfinished lines: batch_expired errors) --> expired
+    validating | in_progress --cancel--> cancelling --> cancelled (what was committed is kept)
+
+Every step reads its state from the database, so a restart (after `kill -9` too) continues each
+batch from its status: `start()` spawns a task for every batch not yet finished. Finalizing is
+idempotent: a batch's output file ids are derived from its id, each part file is cut to its
+committed length and renamed to its file id, then one transaction registers the files and ends
+the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from convoy.api.batch.db import BatchDB, FileRow, fsync_dir
+from convoy.api.batch.executor import BatchExecutor, LineResult, line_error_result
+from convoy.api.batch.ledger import StoreLedger
+from convoy.api.batch.lines import InputLine, LineError, request_lines, validate
+from convoy.api.batch.store import BatchStore
+from convoy.engine.errors import EngineUnavailableError
+
+logger = logging.getLogger(__name__)
+
+EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+_UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+def derived_file_id(batch_id: str, kind: str) -> str:
+    """The id a batch's output (`kind` output / error) file gets, the same on every retry."""
+    return f"file-{uuid.uuid5(uuid.NAMESPACE_URL, f'{batch_id}/{kind}').hex}"
+
+
+class BatchRunner:
+    def __init__(
+        self, db: BatchDB, executor: BatchExecutor, model: str, max_line_bytes: int
+    ) -> None:
+        self.db = db
+        self.store = BatchStore(db)
+        self.executor = executor
+        self.model = model
+        self.max_line_bytes = max_line_bytes
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopping = False
+
+    def start(self) -> None:
+        """Pick up every batch a previous run left unfinished, oldest first."""
+        for batch_id in self.store.ids_in(_UNFINISHED):
+            self.submit(batch_id)
+
+    def submit(self, batch_id: str) -> None:
+        task = asyncio.create_task(self._drive(batch_id), name=f"batch {batch_id}")
+        self.tasks[batch_id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(batch_id, None))
+
+    def cancel(self, batch_id: str) -> bool:
+        """Start cancelling a batch that is validating or running; False if it is past that."""
+        if not self.store.move(batch_id, "cancelling", ["validating", "in_progress"]):
+            return False
+        task = self.tasks.get(batch_id)
+        if task is not None:
+            task.cancel()  # the task sees the status and ends the batch as cancelled
+        else:
+            self.submit(batch_id)
+        return True
+
+    async def stop(self) -> None:
+        """Shutdown: stop every batch where it is (finished lines are committed first)."""
+        self._stopping = True
+        tasks = list(self.tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _drive(self, batch_id: str) -> None:
+        try:
+            await self._advance(batch_id)
+        except asyncio.CancelledError:
+            if self._stopping:
+                raise
+            await self._advance(batch_id)  # a cancel: the status says cancelling now
+        except EngineUnavailableError as e:
+            logger.warning("batch %s paused: %s (it resumes when the server restarts)", batch_id, e)
+        except Exception:
+            logger.exception("batch %s stopped by an unexpected error", batch_id)
+
+    async def _advance(self, batch_id: str) -> None:
+        """Take the batch from its current status to a final one."""
+        row = self.store.row(batch_id)
+        assert row is not None
+        status = row["status"]
+        if status == "validating":
+            await self._validate(batch_id, row["endpoint"], row["input_file_id"])
+        elif status == "in_progress":
+            if time.time() >= row["expires_at"]:
+                await self._expire(batch_id)
+            else:
+                await self._run(batch_id, row["expires_at"])
+        elif status == "finalizing":
+            self._finalize(batch_id, "finalizing", "completed")
+        elif status == "cancelling":
+            self._finalize(batch_id, "cancelling", "cancelled")
+        else:
+            return
+        if self.store.row(batch_id)["status"] in _UNFINISHED:  # type: ignore[index]
+            await self._advance(batch_id)
+
+    async def _validate(self, batch_id: str, endpoint: str, file_id: str) -> None:
+        path = self.db.file_path(file_id)
+        total, errors = await asyncio.to_thread(
+            validate, path, endpoint, self.model, self.max_line_bytes
+        )
+        if errors:
+            data = json.dumps([e.model_dump() for e in errors])
+            self.store.move(batch_id, "failed", ["validating"], errors=data, total=total)
+        else:
+            self.store.move(batch_id, "in_progress", ["validating"], total=total, model=self.model)
+
+    async def _run(self, batch_id: str, expires_at: int) -> None:
+        row = self.store.row(batch_id)
+        assert row is not None
+        ledger = StoreLedger(self.store, batch_id)
+        lines = self._lines(batch_id, row["endpoint"], row["input_file_id"])
+        try:
+            async with asyncio.timeout(max(0.0, expires_at - time.time())):
+                await self.executor.run(row["endpoint"], lines, ledger)
+        except TimeoutError:
+            return  # still in_progress, past expires_at: _advance expires it
+        self.store.move(batch_id, "finalizing", ["in_progress"])
+
+    async def _expire(self, batch_id: str) -> None:
+        row = self.store.row(batch_id)
+        assert row is not None
+        expired = (
+            line_error_result(line.index, _expired(), line.custom_id)
+            if isinstance(line, InputLine) else line
+            for line in self._lines(batch_id, row["endpoint"], row["input_file_id"])
+        )  # fmt: skip
+        await self.executor.run(row["endpoint"], expired, StoreLedger(self.store, batch_id))
+        self._finalize(batch_id, "in_progress", "expired")
+
+    def _lines(
+        self, batch_id: str, endpoint: str, file_id: str
+    ) -> Iterator[InputLine | LineResult]:
+        """The request lines not yet committed, read from the input file as they are needed."""
+        done = self.store.done_lines(batch_id)
+        path = self.db.file_path(file_id)
+        for item in request_lines(path, endpoint, self.model, self.max_line_bytes):
+            if isinstance(item, InputLine):
+                if item.index not in done:
+                    yield item
+            else:  # the file passed validation; only a changed model could make this
+                number, err = item
+                yield line_error_result(number - 1, err)
+
+    def _finalize(self, batch_id: str, current: str, final: str) -> None:
+        """Turn the part files into output files and end the batch (safe to repeat)."""
+        row = self.store.row(batch_id)
+        assert row is not None
+        folder = self.db.batch_dir(batch_id)
+        files, ids = [], {}
+        sizes = {"output": row["output_bytes"], "error": row["error_bytes"]}
+        for kind, size in sizes.items():
+            file_id = derived_file_id(batch_id, kind)
+            dest = self.db.file_path(file_id)
+            part = folder / f"{kind}.part"
+            if part.exists() and size > 0:
+                _cut(part, size)
+                part.rename(dest)
+                fsync_dir(dest.parent)
+            if dest.exists():
+                name = f"{batch_id}_{kind}.jsonl"
+                files.append(FileRow(file_id, size, int(time.time()), name, "batch_output"))
+                ids[f"{kind}_file_id"] = file_id
+        if self.store.move(batch_id, final, [current], files, **ids):
+            shutil.rmtree(folder, ignore_errors=True)  # empty part files
+
+
+def _expired() -> LineError:
+    return LineError("batch_expired", EXPIRED_MESSAGE)
+
+
+def _cut(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+        os.fsync(f.fileno())

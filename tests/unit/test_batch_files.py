@@ -1,0 +1,109 @@
+"""The Batch API's durable pieces without a server: the part files' crash rule, the ledger's
+status moves, and the input file's one-pass validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from convoy.api.batch import lines as lines_mod
+from convoy.api.batch.db import BatchDB, DataDirBusy, FileRow
+from convoy.api.batch.executor import LineResult
+from convoy.api.batch.ledger import PartFiles
+from convoy.api.batch.lines import InputLine, request_lines, validate
+from convoy.api.batch.store import BatchStore, Progress
+
+EP = "/v1/completions"
+
+
+def _result(i: int, ok: bool) -> LineResult:
+    return LineResult(i, f"c{i}", ok, json.dumps({"custom_id": f"c{i}", "ok": ok}) + "\n")
+
+
+def test_part_files_cut_uncommitted_bytes_on_reopen(tmp_path: Path) -> None:
+    out, err = tmp_path / "out.part", tmp_path / "err.part"
+    recorded: list[tuple[int, int]] = []
+    parts = PartFiles(out, err, 0, 0)
+    parts.append([_result(0, True), _result(1, False)], lambda o, e: recorded.append((o, e)))
+    committed = recorded[-1]
+    assert committed == (out.stat().st_size, err.stat().st_size) and all(committed)
+    with open(out, "ab") as f:  # a crash after the append, before the ledger recorded it
+        f.write(b'{"custom_id": "c2", "half')
+    parts = PartFiles(out, err, *committed)
+    assert out.stat().st_size == committed[0]
+    parts.append([_result(2, True)], lambda o, e: recorded.append((o, e)))
+    ids = [json.loads(x)["custom_id"] for x in out.read_text().splitlines()]
+    assert ids == ["c0", "c2"]
+
+
+def _db_with_file(tmp_path: Path, text: str) -> tuple[BatchDB, str]:
+    db = BatchDB(tmp_path / "data")
+    db.file_path("file-1").write_text(text)
+    with db.transaction() as conn:
+        db.insert_file(conn, FileRow("file-1", len(text), 0, "in.jsonl", "batch"))
+    return db, "file-1"
+
+
+def test_one_process_per_data_dir(tmp_path: Path) -> None:
+    db = BatchDB(tmp_path / "data")
+    with pytest.raises(DataDirBusy):
+        BatchDB(tmp_path / "data")
+    db.close()
+    BatchDB(tmp_path / "data").close()  # free again once the holder closed it
+
+
+def test_store_moves_are_compare_and_set(tmp_path: Path) -> None:
+    db, file_id = _db_with_file(tmp_path, "{}\n")
+    store = BatchStore(db)
+    assert store.create(EP, "file-missing", "24h", None, 60) is None
+    batch = store.create(EP, file_id, "24h", {"k": "v"}, 60)
+    assert batch is not None and batch.expires_at == batch.created_at + 60
+    assert db.file_in_use(file_id)
+    assert store.move(batch.id, "in_progress", ["validating"], total=3)
+    assert not store.move(batch.id, "failed", ["validating"])  # it moved on already
+    store.commit(batch.id, Progress([0, 2], completed=1, failed=1, output_tokens=5,
+                                    output_bytes=10, error_bytes=7))  # fmt: skip
+    store.commit(batch.id, Progress([2], output_bytes=10, error_bytes=7))  # a retried commit
+    assert store.done_lines(batch.id) == {0, 2}
+    got = store.get(batch.id)
+    assert got is not None and got.request_counts.completed == 1 and got.usage.output_tokens == 5
+    assert got.in_progress_at is not None and store.pending_lines() == 1
+    assert store.move(batch.id, "cancelling", ["in_progress"])
+    assert db.file_in_use(file_id)  # still, until the cancel has ended
+    assert store.move(batch.id, "cancelled", ["cancelling"])
+    assert not db.file_in_use(file_id)
+    db.close()
+
+
+def _line(i: int, **change: object) -> str:
+    line = {"custom_id": f"c{i}", "method": "POST", "url": EP, "body": {"prompt": "x"}}
+    return json.dumps({**line, **change})
+
+
+def test_validation_names_lines_and_skips_blank_ones(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([_line(0), "", "  ", _line(1, method="GET"), "[1]", _line(0)]))
+    total, errors = validate(path, EP, "m", 1 << 20)
+    assert total == 4
+    assert [(e.line, e.code) for e in errors] == [
+        (4, "invalid_method"), (5, "invalid_json_line"), (6, "duplicate_custom_id"),
+    ]  # fmt: skip
+    items = list(request_lines(path, EP, "m", 1 << 20))
+    assert isinstance(items[0], InputLine) and items[0].index == 0 and items[0].number == 1
+    path.write_text(_line(0, body={"prompt": "y" * 200}) + "\n" + _line(1) + "\n")
+    total, errors = validate(path, EP, "m", 100)  # the first line is over the limit
+    assert total == 2 and [(e.line, e.code) for e in errors] == [(1, "line_too_long")]
+    path.write_text("\n\n")
+    assert [e.code for e in validate(path, EP, "m", 100)[1]] == ["empty_file"]
+
+
+def test_too_many_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lines_mod, "MAX_BATCH_LINES", 3)
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(_line(i) for i in range(5)))
+    total, errors = validate(path, EP, "m", 1 << 20)
+    assert total == 5 and [(e.line, e.code) for e in errors] == [
+        (4, "too_many_requests"), (5, "too_many_requests"),
+    ]  # fmt: skip

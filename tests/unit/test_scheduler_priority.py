@@ -1,0 +1,151 @@
+"""Two priority classes in the scheduler: interactive first, Batch API lines share what is left."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from convoy.cli import parse_serve_args
+from convoy.config import ConfigError, SchedulerConfig
+from convoy.engine.request import Priority, Request, RequestStatus
+from convoy.outputs import FinishReason
+from tests.unit.test_scheduler import FakeEngine, _req
+
+
+def _batch(group: str, prompt_len: int, max_tokens: int = 8) -> Request:
+    req = _req(group, prompt_len, max_tokens)
+    req.priority = Priority.BATCH
+    return req
+
+
+def _batch_lines(num: int, prompt_len: int, max_tokens: int = 8) -> list[Request]:
+    """Batch API lines: each line is its own API request (group)."""
+    return [_batch(f"line{i}", prompt_len, max_tokens) for i in range(num)]
+
+
+def _add(eng: FakeEngine, reqs: list[Request]) -> None:
+    for r in reqs:
+        eng.sched.add_request(r)
+
+
+def test_interactive_groups_are_admitted_before_batch_ones() -> None:
+    eng = FakeEngine(num_blocks=256, max_seqs=4)
+    lines = _batch_lines(4, 4)
+    users = [_req("u1", 4), _req("u2", 4)]
+    _add(eng, lines + users)  # the batch arrived first
+    scheduled = [r for r, _ in eng.step()]
+    # Interactive first; batch keeps max(1, floor(0.25 * 4)) = 1 slot while they run.
+    assert scheduled == users + lines[:1]
+    assert all(r.status == RequestStatus.WAITING for r in lines[1:])
+    eng.run()
+    assert all(r.num_output_tokens == 8 for r in lines + users)
+    assert eng.bm.num_used_blocks == 0
+
+
+def test_batch_pauses_beyond_its_share_while_interactive_runs_then_resumes() -> None:
+    eng = FakeEngine(num_blocks=256, max_seqs=8, max_tokens=64)
+    lines = _batch_lines(8, 6, max_tokens=40)
+    _add(eng, lines)
+    eng.step()
+    eng.step()
+    assert len(eng.sched.running) == 8  # the batch fills the sequence cap
+    user = _req("user", 6, max_tokens=5)
+    eng.sched.add_request(user)
+    scheduled = [r for r, _ in eng.step()]
+    # The newcomer takes the newest line's slot (preempted: back to the front of its queue) and
+    # gets its first token at once; two lines (0.25 x 8) run, five pause.
+    assert scheduled == [user, *lines[:2]] and user.num_output_tokens == 1
+    assert lines[-1].status == RequestStatus.WAITING and lines[-1].num_preemptions == 1
+    paused = lines[2:7]
+    progress = [r.num_computed_tokens for r in paused]
+    eng.sched.finish_requests([paused[0].req_id], FinishReason.ABORT)  # an abort frees a paused one
+    assert paused[0].block_table == []
+    while user.status != RequestStatus.FINISHED:
+        scheduled = [r for r, _ in eng.step()]
+        assert user in scheduled and len(scheduled) <= 3
+    assert [r.num_computed_tokens for r in paused[1:]] == progress[1:]  # paused: no progress
+    assert all(r.status == RequestStatus.RUNNING and r.block_table for r in paused[1:])
+    scheduled = [r for r, _ in eng.step()]  # interactive work gone: everything runs again
+    assert scheduled == lines[:2] + paused[1:] + lines[-1:]
+    eng.run()
+    assert all(r.num_preemptions == 0 for r in paused)  # resumed, not recomputed
+    assert all(r.num_output_tokens == 40 for r in lines if r is not paused[0])
+    assert eng.bm.num_used_blocks == 0
+
+
+def test_a_batch_prefill_does_not_eat_the_token_budget_of_interactive_requests() -> None:
+    eng = FakeEngine(num_blocks=256, max_seqs=8, max_tokens=64)
+    line = _batch("line", 200)
+    eng.sched.add_request(line)
+    assert eng.step() == [(line, 64)]  # alone, a line uses the whole budget
+    user = _req("user", 40)
+    eng.sched.add_request(user)
+    # The user's whole prompt; the line keeps floor(0.25 x 64) = 16 tokens while the user runs.
+    assert eng.step() == [(user, 40), (line, 16)]
+    assert eng.step() == [(user, 1), (line, 16)]
+
+
+def test_victims_are_batch_sequences_newest_first_never_interactive_ones() -> None:
+    eng = FakeEngine(num_blocks=8, max_seqs=8, max_tokens=64)
+    lines = _batch_lines(4, 8, max_tokens=12)  # 2 blocks each: the pool is full
+    _add(eng, lines)
+    eng.step()
+    assert eng.bm.num_used_blocks == 8
+    users = [_req("u1", 4, max_tokens=8), _req("u2", 4, max_tokens=8)]
+    _add(eng, users)
+    scheduled = [r for r, _ in eng.step()]
+    # No block is free: the users take the newest line's; the oldest two lines (the share) grow
+    # into the next newest one's, a paused one.
+    assert scheduled[:2] == users and all(u.num_output_tokens == 1 for u in users)
+    assert [r.num_preemptions for r in lines] == [0, 0, 1, 1]
+    while any(u.status != RequestStatus.FINISHED for u in users):
+        eng.step()
+        assert all(u.num_preemptions == 0 for u in users)
+    eng.run()
+    assert all(u.num_output_tokens == 8 for u in users)
+    assert all(r.num_output_tokens == 12 for r in lines)
+    assert eng.bm.num_used_blocks == 0 and not eng.sched.has_work()
+
+
+def test_an_interactive_sequence_is_never_preempted_for_a_batch_one() -> None:
+    eng = FakeEngine(num_blocks=8, max_seqs=8, max_tokens=64)
+    user = _req("user", 16, max_tokens=12)  # grows to 7 blocks
+    line = _batch("line", 4, max_tokens=12)
+    _add(eng, [user, line])
+    eng.run()
+    assert user.num_preemptions == 0 and line.num_preemptions > 0
+    assert user.num_output_tokens == 12 and line.num_output_tokens == 12
+    assert eng.bm.num_used_blocks == 0
+
+
+def _trace(priority: Priority) -> list[list[tuple[int, int]]]:
+    """Per step: (position in the workload, tokens) of what was scheduled."""
+    eng = FakeEngine(num_blocks=16, max_seqs=4, max_tokens=32)
+    reqs = [_req(f"g{i % 3}", 5 + 3 * i, max_tokens=6 + i) for i in range(9)]
+    for r in reqs:
+        r.priority = priority
+    _add(eng, reqs)
+    pos = {id(r): i for i, r in enumerate(reqs)}
+    trace = []
+    while eng.sched.has_work():
+        trace.append([(pos[id(r)], n) for r, n in eng.step()])
+    assert eng.sched.num_preemptions > 0  # the trace covers preemption and the sequence cap
+    return trace
+
+
+def test_one_class_alone_schedules_exactly_as_the_other_alone() -> None:
+    assert _trace(Priority.BATCH) == _trace(Priority.INTERACTIVE)
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5, math.nan])
+def test_batch_share_outside_0_1_is_refused(share: float) -> None:
+    with pytest.raises(ConfigError, match="batch_share"):
+        SchedulerConfig(batch_share=share)
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--batch-share", str(share)])
+
+
+def test_batch_share_flag() -> None:
+    assert parse_serve_args(["--batch-share", "0.5"]).engine.scheduler.batch_share == 0.5
+    assert parse_serve_args([]).engine.scheduler.batch_share == 0.25
