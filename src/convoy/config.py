@@ -185,9 +185,16 @@ class SchedulerConfig(_Config):
     max_model_len: int | None = setting(
         None, "longest prompt + completion (default: the model's context length)", kind="positive"
     )
+    batch_max_seqs: int = setting(
+        64,
+        "most Batch API sequences in one step, interactive traffic or not: it bounds the step"
+        " an interactive request can find in flight (batch steps also carry at most"
+        " --batch-share of --max-num-batched-tokens in prompt chunks)",
+        kind="positive",
+    )
     batch_share: float = setting(
         0.25,
-        "share of --max-num-seqs (and of the step's tokens) that Batch API lines keep while"
+        "share of --batch-max-seqs (and of the step's tokens) that Batch API lines keep while"
         " interactive requests wait or run; their other running sequences pause",
     )
 

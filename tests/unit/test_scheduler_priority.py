@@ -9,6 +9,7 @@ import pytest
 from convoy.cli import parse_serve_args
 from convoy.config import ConfigError, SchedulerConfig
 from convoy.engine.request import Priority, Request, RequestStatus
+from convoy.engine.scheduler import Scheduler
 from convoy.outputs import FinishReason
 from tests.unit.test_scheduler import FakeEngine, _req
 
@@ -78,7 +79,8 @@ def test_a_batch_prefill_does_not_eat_the_token_budget_of_interactive_requests()
     eng = FakeEngine(num_blocks=256, max_seqs=8, max_tokens=64)
     line = _batch("line", 200)
     eng.sched.add_request(line)
-    assert eng.step() == [(line, 64)]  # alone, a line uses the whole budget
+    # alone, a batch step carries its decodes (at most 8 sequences) and 0.25 x 64 prompt tokens
+    assert eng.step() == [(line, 8 + 16)]
     user = _req("user", 40)
     eng.sched.add_request(user)
     # The user's whole prompt; the line keeps floor(0.25 x 64) = 16 tokens while the user runs.
@@ -87,10 +89,10 @@ def test_a_batch_prefill_does_not_eat_the_token_budget_of_interactive_requests()
 
 
 def test_victims_are_batch_sequences_newest_first_never_interactive_ones() -> None:
-    eng = FakeEngine(num_blocks=8, max_seqs=8, max_tokens=64)
+    eng = FakeEngine(num_blocks=8, max_seqs=8, max_tokens=128)
     lines = _batch_lines(4, 8, max_tokens=12)  # 2 blocks each: the pool is full
     _add(eng, lines)
-    eng.step()
+    eng.step()  # a batch step takes 8 decodes + 0.25 x 128 prompt tokens: all four prompts
     assert eng.bm.num_used_blocks == 8
     users = [_req("u1", 4, max_tokens=8), _req("u2", 4, max_tokens=8)]
     _add(eng, users)
@@ -122,6 +124,8 @@ def test_an_interactive_sequence_is_never_preempted_for_a_batch_one() -> None:
 def _trace(priority: Priority) -> list[list[tuple[int, int]]]:
     """Per step: (position in the workload, tokens) of what was scheduled."""
     eng = FakeEngine(num_blocks=16, max_seqs=4, max_tokens=32)
+    # share 1: batch steps may take the whole token budget in prompt chunks, as interactive ones
+    eng.sched = Scheduler(SchedulerConfig(4, 32, batch_share=1.0), eng.bm, 4096)
     reqs = [_req(f"g{i % 3}", 5 + 3 * i, max_tokens=6 + i) for i in range(9)]
     for r in reqs:
         r.priority = priority

@@ -49,8 +49,11 @@ class Scheduler:
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        # What batch sequences may use of a step while interactive work waits or runs.
-        self.max_shared_batch_seqs = max(1, int(config.batch_share * config.max_num_seqs))
+        # What batch sequences may use of a step: always at most max_batch_seqs (the step an
+        # interactive request may find in flight stays short), and while interactive work waits
+        # or runs, their share of that and of the token budget.
+        self.max_batch_seqs = min(config.max_num_seqs, config.batch_max_seqs)
+        self.max_shared_batch_seqs = max(1, int(config.batch_share * self.max_batch_seqs))
         self.max_shared_batch_tokens = max(
             1, int(config.batch_share * config.max_num_batched_tokens)
         )
@@ -194,7 +197,9 @@ class Scheduler:
         most their share of sequences and tokens (the running ones past it are paused: they
         keep their blocks and are simply not scheduled)."""
         bg = self.batch
-        limit, batch_budget = self.max_num_seqs, budget  # the cap: no limit of its own
+        # alone: every running batch sequence's decode plus a share of prompt chunks
+        limit = self.max_batch_seqs
+        batch_budget = min(budget, limit + self.max_shared_batch_tokens)
         if is_shared:
             limit = self.max_shared_batch_seqs
             batch_budget = min(budget, self.max_shared_batch_tokens)

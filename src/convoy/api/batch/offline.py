@@ -211,6 +211,8 @@ async def _run_lines(plan: _Plan) -> None:
     from convoy.engine.async_engine import AsyncEngine
 
     settings = plan.job.settings
+    scheduler = settings.engine.scheduler
+    scheduler.batch_max_seqs = scheduler.max_num_seqs  # no interactive traffic to make room for
     try:
         # Loading is slow and synchronous; the engine's own thread steps it afterwards.
         engine = await asyncio.to_thread(AsyncEngine, settings.engine)

@@ -28,7 +28,7 @@ from convoy.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
-WINDOW_PER_SEQ = 2  # batch lines in flight per engine sequence slot: keeps the batch full
+WINDOW_PER_SEQ = 2  # batch lines in flight per batch sequence slot: keeps the batch full
 
 
 class BatchMetrics(Collector):
@@ -66,7 +66,8 @@ def start_batches(app: FastAPI, settings: ServerConfig, metrics: BatchMetrics) -
         "/v1/completions": Route(CompletionRequest, app.state.completions),
         "/v1/chat/completions": Route(ChatCompletionRequest, app.state.chat),
     }
-    window = WINDOW_PER_SEQ * settings.engine.scheduler.max_num_seqs
+    scheduler = settings.engine.scheduler
+    window = WINDOW_PER_SEQ * min(scheduler.max_num_seqs, scheduler.batch_max_seqs)
     executor = BatchExecutor(routes, window, metrics.on_result)
     runner = BatchRunner(
         db, executor, app.state.client.served_model_name, settings.max_request_bytes
