@@ -113,7 +113,8 @@ class BatchRunner:
             self._finalize(batch_id, "cancelling", "cancelled")
         else:
             return
-        if self.store.row(batch_id)["status"] in _UNFINISHED:  # type: ignore[index]
+        row = self.store.row(batch_id)
+        if row is not None and row["status"] in _UNFINISHED:
             await self._advance(batch_id)
 
     async def _validate(self, batch_id: str, endpoint: str, file_id: str) -> None:
