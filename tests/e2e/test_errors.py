@@ -147,6 +147,23 @@ def test_oversized_body_is_413(http: httpx.Client) -> None:
     assert _error(http.post("/v1/completions", json=body), 413)["code"] == "request_too_large"
 
 
+def test_text_certainly_too_long_is_400_before_tokenizing(
+    http: httpx.Client, max_model_len: int
+) -> None:
+    """A text with more characters than the context's tokens could hold is rejected without
+    being tokenized (the message counts characters; the front door's counts tokens); /tokenize,
+    which has no context limit, still tokenizes it."""
+    text = "#" * (MAX_REQUEST_BYTES - 1000)  # ~12k tokens: 81 '#' is SmolLM2's longest token
+    body = {"model": MODEL, "prompt": text, "max_tokens": 1}
+    error = _error(http.post("/v1/completions", json=body), 400)
+    assert error["param"] == "prompt" and "characters" in error["message"], error
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    error = _error(http.post("/v1/chat/completions", json=chat), 400)
+    assert error["param"] == "messages" and "characters" in error["message"], error
+    tokenized = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert tokenized["count"] > max_model_len
+
+
 def test_tokenizer_routes_validate_input(http: httpx.Client) -> None:
     assert _error(http.post("/detokenize", json={"tokens": [99999999]}), 400)["param"] == "tokens"
     _error(http.post("/tokenize", json={"model": MODEL}), 400)

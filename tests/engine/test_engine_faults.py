@@ -75,7 +75,7 @@ def test_failed_step_ends_its_requests_and_shutdown_ends_the_rest(
         waiting = engine.generate(process(ids, short, "waiting"))
         waiting_task = asyncio.ensure_future(_drain(waiting))
         await _next(running)
-        assert engine.stats().num_waiting == 1
+        await _until(lambda: engine.stats().num_waiting == 1)  # stats: after the next step
         request_fault(fault, "step")
         with pytest.raises(EngineStepError) as err:
             await _drain(running)

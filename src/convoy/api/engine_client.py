@@ -148,6 +148,20 @@ class EngineClient:
             param=field,
         )
 
+    def encode_prompt(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids; 400 without tokenizing a text that is certainly too long for
+        the context (the front door would reject it after tokenizing, at a cost to every
+        other request: see Tokenizer.min_tokens)."""
+        at_least = self.tokenizer.min_tokens(text)
+        if at_least >= self.max_model_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt"
+                f" has {len(text)} characters, which is at least {at_least} tokens",
+                param=param,
+            )
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """Token ids from a client (e.g. /detokenize) must lie in the model's vocabulary."""
         self.engine.frontend.inputs.check_token_ids(token_ids, param)

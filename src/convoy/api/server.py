@@ -45,7 +45,7 @@ from convoy.api.protocol_info import (
     TokenizeResponse,
 )
 from convoy.api.serving_base import off_loop
-from convoy.api.serving_chat import ChatServing, render_chat
+from convoy.api.serving_chat import ChatServing, chat_text
 from convoy.api.serving_completion import CompletionServing
 from convoy.api.sse import sse_response
 from convoy.config import ServerConfig
@@ -322,7 +322,7 @@ def _tokenize(client: EngineClient, body: TokenizeRequest) -> TokenizeResponse:
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     tokenizer = client.tokenizer
     if body.messages is not None:
-        text = render_chat(client, body.messages, body.add_generation_prompt).text or ""
+        text = chat_text(client, body.messages, body.add_generation_prompt)
         tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         add_special = body.add_special_tokens is not False

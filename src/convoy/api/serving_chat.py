@@ -24,17 +24,25 @@ from convoy.outputs import CompletionOutput, RequestOutput
 _Job = Job[ChatCompletionRequest]
 
 
+def chat_text(
+    client: EngineClient, messages: list[ChatMessageParam], add_generation_prompt: bool
+) -> str:
+    """The model's chat template applied to the messages (TemplateError -> 400)."""
+    return client.tokenizer.apply_chat_template(
+        [m.to_template() for m in messages], add_generation_prompt
+    )
+
+
 def render_chat(
     client: EngineClient, messages: list[ChatMessageParam], add_generation_prompt: bool
 ) -> Prompt:
-    """Apply the model's chat template (TemplateError -> 400) and tokenize its text as is.
+    """The templated prompt, tokenized as is.
 
     NOTE: the template already holds the special tokens (BOS, turn markers), so they are not
     added a second time.
     """
-    tokenizer = client.tokenizer
-    text = tokenizer.apply_chat_template([m.to_template() for m in messages], add_generation_prompt)
-    return Prompt(text, tokenizer.encode(text, add_special_tokens=False))
+    text = chat_text(client, messages, add_generation_prompt)
+    return Prompt(text, client.encode_prompt(text, "messages", add_special_tokens=False))
 
 
 class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk]):

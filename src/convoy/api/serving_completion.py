@@ -54,7 +54,6 @@ class CompletionServing(
     def prompts(self, request: CompletionRequest) -> list[Prompt]:
         """Normalise the four prompt forms to token ids (text is tokenized with special tokens)."""
         prompt: PromptInput = request.prompt
-        tokenizer = self.client.tokenizer
         items: list[str | list[int]]
         if isinstance(prompt, str):
             items = [prompt]
@@ -69,8 +68,9 @@ class CompletionServing(
             raise APIError(
                 400, f"{len(items)} prompts is more than the limit of {limit}", param="prompt"
             )
+        encode = self.client.encode_prompt
         return [
-            Prompt(item, tokenizer.encode(item)) if isinstance(item, str) else Prompt(None, item)
+            Prompt(item, encode(item, "prompt")) if isinstance(item, str) else Prompt(None, item)
             for item in items
         ]
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
+
+# Normalizers that never make the text shorter than this factor: the Unicode compositions turn at
+# most 4 code points into one (e.g. U+1F86, alpha with three marks; max len(NFD(c)) is 4), doubled
+# for safety; Lowercase, Prepend and Replace(pattern -> content no shorter) never shrink it.
+_COMPOSING_NORMALIZERS = frozenset({"NFC", "NFKC", "NFD", "NFKD"})
+_COMPOSITION_SHRINK = 8
 
 
 class TemplateError(ValueError):
@@ -36,6 +43,16 @@ class Tokenizer:
         self.chat_template: str | None = self._tok.chat_template or default_chat_template
         self.bos_token_id: int | None = self._tok.bos_token_id
         self.eos_token_id: int | None = self._tok.eos_token_id
+        self._max_chars_per_token = _max_chars_per_token(self._backend)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens `text` encodes to (0 when none is known), cheap
+        enough to reject a 32 MiB prompt without tokenizing it: building the Python list of its
+        6 million ids and freeing the Rust encoding each hold the GIL for a large fraction of a
+        second, which stalls every stream and /health."""
+        if not self._max_chars_per_token:
+            return 0
+        return len(text) // self._max_chars_per_token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`.
@@ -71,3 +88,51 @@ class Tokenizer:
         except Exception as e:  # jinja errors, raise_exception() in templates
             raise TemplateError(f"chat template failed: {e}") from e
         return text
+
+
+def _max_chars_per_token(backend: Any) -> int:
+    """The most characters of input text one token can stand for, or 0 when no safe bound is
+    known. Only for BPE models: each token is a run of the normalized text's characters (byte-level
+    vocabularies spell one byte per character, which is no fewer than the text's characters), so
+    it covers at most the longest vocabulary string, times what the normalizer can shrink. A
+    fused unknown token covers any run of characters, and other normalizers (Strip, StripAccents,
+    BERT's control-character removal) can remove any amount of text: no bound then."""
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        return 0
+    if (
+        model.get("unk_token") is not None
+        and model.get("fuse_unk")
+        and not model.get("byte_fallback")
+    ):
+        return 0
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if not shrink:
+        return 0
+    longest = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=0)
+    return longest * shrink if longest else 0
+
+
+def _normalizer_shrink(normalizer: dict[str, Any] | None) -> int:
+    """How many times shorter the normalizer can make a text (0: unbounded or unknown)."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers") or []:
+            part_factor = _normalizer_shrink(part)
+            if not part_factor:
+                return 0
+            factor *= part_factor
+        return factor
+    if kind in _COMPOSING_NORMALIZERS:
+        return _COMPOSITION_SHRINK
+    if kind in ("Lowercase", "Prepend"):
+        return 1
+    if kind == "Replace":
+        pattern = (normalizer.get("pattern") or {}).get("String")
+        content = normalizer.get("content") or ""
+        return 1 if pattern is not None and len(content) >= len(pattern) else 0
+    return 0
