@@ -123,6 +123,7 @@ def run_throughput(http: httpx.Client, args: argparse.Namespace, server: ServerP
         tokens = concurrent_requests(args, server.url, prompts)
         rows.append(("concurrent HTTP", tokens / (time.perf_counter() - start)))
         data = _lines(make_prompts_tagged(args.lines, f"batch {r}"), args.tokens, args.model)
+        time.sleep(args.grace)  # no interactive load: the batch has the engine to itself
         start = time.perf_counter()
         batch = wait_done(http, submit(http, data))
         rate = batch["usage"]["output_tokens"] / (time.perf_counter() - start)
@@ -203,6 +204,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kills", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--grace", type=float, default=2.5, help="wait this long after HTTP traffic (throughput:"
+        " past the server's --batch-grace, so the batch runs alone)"
+    )
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)

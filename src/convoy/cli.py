@@ -169,7 +169,7 @@ _BATCH_SERVER_LEAVES = {
 }
 
 
-_NOT_OFFLINE = {"model", "batch_max_seqs", "batch_share"}
+_NOT_OFFLINE = {"model", "batch_max_seqs", "batch_share", "batch_grace"}
 
 
 def _add_batch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -190,8 +190,8 @@ def _add_batch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--error-file", type=Path, metavar="ERR.jsonl", help="error lines (default: OUT.jsonl)"
     )
     _add_model_arguments(batch)
-    # NOTE: no --batch-max-seqs / --batch-share: offline, batch lines are the only traffic and
-    # may fill the engine (run_batch sets the batch cap to --max-num-seqs).
+    # NOTE: no --batch-max-seqs / --batch-share / --batch-grace: offline, batch lines are the
+    # only traffic and may fill the engine (run_batch sets the batch cap to --max-num-seqs).
     add_config_arguments(
         batch, (leaf for leaf in leaf_fields(EngineConfig) if leaf.name not in _NOT_OFFLINE)
     )

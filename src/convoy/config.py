@@ -9,6 +9,7 @@ help (and, where needed, a parser `kind` and `choices`); cli.py generates the `c
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from collections.abc import Sequence
@@ -194,13 +195,20 @@ class SchedulerConfig(_Config):
     )
     batch_share: float = setting(
         0.25,
-        "share of --batch-max-seqs (and of the step's tokens) that Batch API lines keep while"
-        " interactive requests wait or run; their other running sequences pause",
+        "share of --batch-max-seqs that Batch API lines keep while interactive requests wait or"
+        " run (with as many prompt tokens a step); their other running sequences pause",
+    )
+    batch_grace: float = setting(
+        2.0,
+        "seconds after the last interactive request during which Batch API lines keep only"
+        " their share, so the next request of a conversation finds a short step in flight",
     )
 
     def _validate(self) -> None:
         if not 0 < self.batch_share <= 1:
             raise ConfigError(f"batch_share must be in (0, 1], got {self.batch_share}")
+        if not 0 <= self.batch_grace < math.inf:
+            raise ConfigError(f"batch_grace must be a finite number >= 0, got {self.batch_grace}")
 
 
 @dataclass(slots=True)

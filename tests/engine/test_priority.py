@@ -33,7 +33,8 @@ def _add(llm: LLM, req_id: str, prompt: str, priority: Priority, sink: list[Requ
 
 
 def test_interactive_overtakes_running_lines_and_pausing_does_not_change_them() -> None:
-    llm = LLM(dtype="float32", max_num_seqs=4)  # lines keep 1 of 4 while interactive work runs
+    # Lines keep 1 of 4 while interactive work runs; no grace period after (generate() below).
+    llm = LLM(dtype="float32", max_num_seqs=4, batch_grace=0.0)
     prompts = [f"Item {i}: describe it in detail." for i in range(6)]
     unpaused = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     lines: list[list[RequestOutput]] = [[] for _ in prompts]

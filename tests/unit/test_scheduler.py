@@ -32,6 +32,8 @@ class FakeEngine:
     ) -> None:
         self.bm = BlockManager(num_blocks, BS)
         self.sched = Scheduler(SchedulerConfig(max_seqs, max_tokens), self.bm, max_model_len)
+        self.now = 0.0  # the scheduler's clock (seconds): tests move it
+        self.sched.clock = lambda: self.now
         self.steps = 0
         self.token = 7
 

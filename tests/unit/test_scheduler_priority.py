@@ -67,7 +67,10 @@ def test_batch_pauses_beyond_its_share_while_interactive_runs_then_resumes() -> 
         assert user in scheduled and len(scheduled) <= 3
     assert [r.num_computed_tokens for r in paused[1:]] == progress[1:]  # paused: no progress
     assert all(r.status == RequestStatus.RUNNING and r.block_table for r in paused[1:])
-    scheduled = [r for r, _ in eng.step()]  # interactive work gone: everything runs again
+    scheduled = [r for r, _ in eng.step()]  # interactive work gone, the grace period not
+    assert scheduled == lines[:2]
+    eng.now += eng.sched.batch_grace  # then everything runs again
+    scheduled = [r for r, _ in eng.step()]
     assert scheduled == lines[:2] + paused[1:] + lines[-1:]
     eng.run()
     assert all(r.num_preemptions == 0 for r in paused)  # resumed, not recomputed
@@ -83,9 +86,51 @@ def test_a_batch_prefill_does_not_eat_the_token_budget_of_interactive_requests()
     assert eng.step() == [(line, 8 + 16)]
     user = _req("user", 40)
     eng.sched.add_request(user)
-    # The user's whole prompt; the line keeps floor(0.25 x 64) = 16 tokens while the user runs.
-    assert eng.step() == [(user, 40), (line, 16)]
-    assert eng.step() == [(user, 1), (line, 16)]
+    # The user's whole prompt; the line keeps two tokens per shared slot, 2 x floor(0.25 x 8).
+    assert eng.step() == [(user, 40), (line, 4)]
+    assert eng.step() == [(user, 1), (line, 4)]
+
+
+def test_the_batch_keeps_its_share_for_the_grace_period_after_interactive_work() -> None:
+    """The next request of a conversation comes soon: until batch_grace seconds have passed
+    without interactive work the batch stays at its share, so that request finds a short step
+    in flight; then it takes its whole cap again."""
+    eng = FakeEngine(num_blocks=256, max_seqs=8, max_tokens=64)
+    lines = _batch_lines(8, 4, max_tokens=100)
+    _add(eng, lines)
+    eng.step()
+    assert len(eng.step()) == 8
+    user = _req("user", 4, max_tokens=2)
+    eng.sched.add_request(user)
+    while user.status != RequestStatus.FINISHED:
+        eng.step()
+    last_seen = eng.now
+    for elapsed in (0.0, 1.0, eng.sched.batch_grace - 0.01):
+        eng.now = last_seen + elapsed
+        assert len(eng.step()) == 2  # still the share: floor(0.25 x 8)
+    eng.now = last_seen + eng.sched.batch_grace
+    assert len(eng.step()) == 8
+
+
+def test_without_a_grace_period_the_batch_resumes_at_once() -> None:
+    eng = FakeEngine(num_blocks=256, max_seqs=8, max_tokens=64)
+    config = SchedulerConfig(8, 64, batch_grace=0.0)
+    eng.sched = Scheduler(config, eng.bm, 4096)
+    eng.sched.clock = lambda: eng.now
+    _add(eng, _batch_lines(8, 4, max_tokens=100))
+    eng.step()
+    user = _req("user", 4, max_tokens=2)
+    eng.sched.add_request(user)
+    assert len(eng.step()) == 3  # the user and the batch's share
+    while user.status != RequestStatus.FINISHED:
+        eng.step()
+    assert len(eng.step()) == 8
+
+
+@pytest.mark.parametrize("grace", [-1.0, math.inf, math.nan])
+def test_batch_grace_must_be_finite_and_not_negative(grace: float) -> None:
+    with pytest.raises(ConfigError, match="batch_grace"):
+        SchedulerConfig(batch_grace=grace)
 
 
 def test_victims_are_batch_sequences_newest_first_never_interactive_ones() -> None:

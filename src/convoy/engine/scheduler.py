@@ -11,12 +11,12 @@ gives one up (see SeqQueues: waiting sequences are an ordered dict per group, so
 
 Two priority classes, each with its own queues: interactive requests, then Batch API lines. Each
 step schedules interactive running sequences, admits interactive newcomers, and only then
-schedules batch sequences with what is left. While interactive work waits or runs, batch
-sequences keep at most `batch_share` of the sequence cap and of the token budget: the running
-ones past that share are paused (kept with their blocks, not scheduled) until interactive work
-is gone. Victims (blocks or sequence slots) are batch sequences first, newest first; an
-interactive sequence is never preempted for a batch one. With no batch traffic the batch queues
-stay empty and cost nothing.
+schedules batch sequences with what is left. While interactive work waits or runs, and for
+`batch_grace` seconds after, batch sequences keep at most `batch_share` of their sequence cap,
+with one prompt token per kept slot: the running ones past that share are paused (kept with
+their blocks, not scheduled). Victims (blocks or sequence slots) are batch sequences first,
+newest first; an interactive sequence is never preempted for a batch one. With no batch
+traffic the batch queues stay empty and cost nothing.
 
 The contract is vLLM v1's: add_request, schedule() -> SchedulerOutput, update_from_output
 (sched_out, runner_out) after the worker ran it, finish_requests(ids, reason) (stop strings, aborts).
@@ -24,6 +24,7 @@ The contract is vLLM v1's: add_request, schedule() -> SchedulerOutput, update_fr
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -54,9 +55,16 @@ class Scheduler:
         # or runs, their share of that and of the token budget.
         self.max_batch_seqs = min(config.max_num_seqs, config.batch_max_seqs)
         self.max_shared_batch_seqs = max(1, int(config.batch_share * self.max_batch_seqs))
-        self.max_shared_batch_tokens = max(
+        # Alone, batch steps carry every running line's decode plus prompt chunks of up to a
+        # share of the token budget (throughput); shared, one prompt token per shared slot at
+        # most, so the step an interactive request finds in flight stays short.
+        self.max_batch_tokens = self.max_batch_seqs + max(
             1, int(config.batch_share * config.max_num_batched_tokens)
         )
+        self.max_shared_batch_tokens = 2 * self.max_shared_batch_seqs
+        self.batch_grace = config.batch_grace
+        self.clock = time.monotonic  # tests replace it
+        self._interactive_seen = -math.inf  # when interactive work was last present
         self.max_model_len = max_model_len
         self.bm = block_manager
         self.requests: dict[str, Request] = {}  # every sequence not yet finished
@@ -95,7 +103,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         fg = self.interactive
-        is_shared = bool(fg.running or fg.waiting)  # batch sequences keep only their share
+        # Batch sequences keep only their share while interactive work is present, and for
+        # batch_grace seconds after (the next request of a conversation comes soon).
+        now = self.clock()
+        if fg.running or fg.waiting:
+            self._interactive_seen = now
+        is_shared = now - self._interactive_seen < self.batch_grace or bool(
+            fg.running or fg.waiting
+        )
         budget = self._schedule_running(out, fg.running, self.max_num_batched_tokens)
         if fg.waiting and not any(r.priority == Priority.INTERACTIVE for r in out.preempted):
             budget = self._schedule_waiting(out, fg, budget, self.max_num_seqs)
@@ -197,9 +212,8 @@ class Scheduler:
         most their share of sequences and tokens (the running ones past it are paused: they
         keep their blocks and are simply not scheduled)."""
         bg = self.batch
-        # alone: every running batch sequence's decode plus a share of prompt chunks
         limit = self.max_batch_seqs
-        batch_budget = min(budget, limit + self.max_shared_batch_tokens)
+        batch_budget = min(budget, self.max_batch_tokens)
         if is_shared:
             limit = self.max_shared_batch_seqs
             batch_budget = min(budget, self.max_shared_batch_tokens)
