@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from convoy.models import attention
 from convoy.models.loader import load_model, resolve_model
 from tests.models.harness import convoy_greedy, reference_greedy
 
@@ -86,3 +87,13 @@ def test_tiny_parity_native_kernels(kind: str, tmp_path: Path) -> None:
     """With the CPU kernels on: fused norms, rotary + cache writes, gated activations and decode
     attention still give transformers' greedy tokens."""
     _check_parity(kind, tmp_path, native=True)
+
+
+def test_tiny_gemma_parity_with_window_tiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sliding-window layers attend a prompt's queries in tiles (each against only the keys
+    its window reaches); with tiles of 4 the prompts here span several, and transformers'
+    greedy tokens still come out."""
+    monkeypatch.setattr(attention, "_WINDOW_TILE", 4)
+    _check_parity("gemma3", tmp_path, native=False)

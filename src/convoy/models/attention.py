@@ -41,6 +41,11 @@ class PrefillSeq:
     end: int
     context_len: int  # tokens in cache after this step (computed before + new)
     blocks: torch.Tensor  # (NB,) its block table, covering context_len (unused when fresh)
+    # Attention masks of this step's query tiles, shared by the layers with the same window:
+    # (window, first query) -> (first key, end key, (tile, keys) bool mask or None)
+    masks: dict[tuple[int | None, int], tuple[int, int, torch.Tensor | None]] = field(
+        default_factory=dict
+    )
 
 
 @dataclass(slots=True)
@@ -165,24 +170,65 @@ def _prefill_attention(
             .to(q.dtype)
             for c in (k_cache, v_cache)
         )  # fmt: skip
+    out = torch.empty_like(q)
+    for t0, t1 in _query_tiles(num_q, seq.context_len, window):
+        k0, k1, mask = _tile_mask(seq, num_q, t0, t1, window, fresh, q.device)
+        out[t0:t1] = (
+            F.scaled_dot_product_attention(
+                q[t0:t1].transpose(0, 1).unsqueeze(0),  # (1, H, Tq, D)
+                keys[:, k0:k1].unsqueeze(0),  # (1, Hkv, L, D)
+                values[:, k0:k1].unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            .squeeze(0)
+            .transpose(0, 1)
+        )  # (Tq, H, D)
+    return out
+
+
+# Queries of a sliding-window layer go in tiles of this many, each against only the keys its
+# window reaches: the CPU flash kernel computes every key a boolean mask hides, so one mask over
+# the whole prompt cost the full (Tq, L) square (measured, Gemma 3, a 1,100-token prompt, window
+# 512, one thread: attention 582 -> 328 ms, the prefill 1.90 -> 1.54 s).
+_WINDOW_TILE = 128
+
+
+def _query_tiles(num_q: int, context_len: int, window: int | None) -> list[tuple[int, int]]:
+    """[t0, t1) ranges of the step's queries attended in one call each."""
+    if window is None or window >= context_len:
+        return [(0, num_q)]
+    return [(t0, min(num_q, t0 + _WINDOW_TILE)) for t0 in range(0, num_q, _WINDOW_TILE)]
+
+
+def _tile_mask(
+    seq: PrefillSeq,
+    num_q: int,
+    t0: int,
+    t1: int,
+    window: int | None,
+    fresh: bool,
+    device: torch.device,
+) -> tuple[int, int, torch.Tensor | None]:
+    """Keys [k0, k1) that queries [t0, t1) may see, and their mask (None: plain causal, the
+    queries being the keys' own tokens from k0 on), computed once a step for all layers."""
+    cached = seq.masks.get((window, t0))
+    if cached is not None:
+        return cached
+    first = seq.context_len - num_q  # position of the step's first query
+    k0 = 0 if window is None else max(0, first + t0 - window + 1)
+    k1 = first + t1
     mask = None
-    if not fresh or (window is not None and window < num_q):
-        q_pos = torch.arange(seq.context_len - num_q, seq.context_len, device=q.device)
-        k_pos = torch.arange(seq.context_len, device=q.device)
-        diff = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)  # (Tq, L)
+    if not (fresh and t0 == 0 and (window is None or window >= k1)):
+        q_pos = torch.arange(first + t0, first + t1, device=device)
+        diff = q_pos.unsqueeze(1) - torch.arange(k0, k1, device=device).unsqueeze(0)
         mask = diff >= 0
         if window is not None:
             mask &= diff < window
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),  # (1, H, Tq, D)
-        keys.unsqueeze(0),  # (1, Hkv, L, D)
-        values.unsqueeze(0),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.squeeze(0).transpose(0, 1)  # (Tq, H, D)
+    seq.masks[(window, t0)] = k0, k1, mask
+    return k0, k1, mask
 
 
 class Attention(nn.Module):
