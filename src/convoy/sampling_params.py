@@ -10,6 +10,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from convoy.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; eval harnesses send vLLM more
 MAX_STOP_CHARS = 1024  # per stop string; a stream holds back this many characters at most
@@ -58,6 +60,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Prefix-cache isolation: only requests with the same salt share cached prompt blocks.
     cache_salt: str | None = None
+    # What the output must match (a JSON schema, regex, choice, grammar); None = free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.e2e.helpers import API_KEY, MODEL
+from tests.e2e.helpers import API_KEY, GEMMA, MODEL
 
 MAX_QUEUE = 64  # sequences in flight; also the most one request may start
 MAX_REQUEST_BYTES = 1 << 20
@@ -144,6 +144,19 @@ def _terminate_while_streaming(server: Server) -> None:
     assert returncode in (0, -signal.SIGTERM), server.log()[-4000:]
     log = server.log()
     assert "shutting down the engine" in log and "Application shutdown complete" in log
+
+
+@pytest.fixture(scope="session")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
+    """A second server: Gemma 3 in dtype auto (its GGUF quantized, as `convoy serve gemma3-270m`
+    runs it)."""
+    args = [GEMMA, "--dtype", "auto", "--kv-cache-memory", "64MiB", "--log-level", "info"]
+    server = start_server(args, tmp_path_factory.mktemp("gemma"))
+    try:
+        assert f"loaded {GEMMA} (Gemma3ForCausalLM)" in server.log()
+        yield OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    finally:
+        stop_server(server)
 
 
 @pytest.fixture(scope="session")

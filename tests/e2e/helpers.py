@@ -10,6 +10,7 @@ from openai.types import Completion
 
 API_KEY = "sk-convoy-e2e"
 MODEL = "smollm2-135m-instruct"
+GEMMA = "gemma3-270m"  # the `gemma` server (conftest) serves it in dtype auto
 
 # Sixteen prompts of different lengths and kinds, so a batch mixes short and long prefills.
 PROMPTS = [

@@ -3,15 +3,10 @@ in dtype auto (its GGUF quantized, as `convoy serve gemma3-270m` runs it)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import start_server, stop_server
-from tests.e2e.helpers import API_KEY, PROMPTS, complete, merge_stream
-
-GEMMA = "gemma3-270m"
+from tests.e2e.helpers import GEMMA, PROMPTS, complete, merge_stream
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:3])
@@ -28,17 +23,6 @@ def test_stop_string_never_reaches_the_stream(client: OpenAI, prompt: str) -> No
     assert stop not in texts[0] and finish[0] == "stop"
     again = complete(client, prompt, max_tokens=16, stop=[stop]).choices[0]
     assert again.text == texts[0] and again.finish_reason == "stop"
-
-
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
-    args = [GEMMA, "--dtype", "auto", "--kv-cache-memory", "64MiB", "--log-level", "info"]
-    server = start_server(args, tmp_path_factory.mktemp("gemma"))
-    try:
-        assert f"loaded {GEMMA} (Gemma3ForCausalLM)" in server.log()
-        yield OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    finally:
-        stop_server(server)
 
 
 def test_gemma3_completion_and_stream_agree(gemma: OpenAI) -> None:

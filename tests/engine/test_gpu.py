@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from convoy import LLM, SamplingParams
+from convoy.structured.params import StructuredOutputsParams
 from tests.engine.conftest import prompts16
 
 DEVICE = os.environ.get("CONVOY_TEST_DEVICE", "cuda")
@@ -95,3 +96,21 @@ def test_prompt_logprobs_equal_the_cpu_engine(dev: LLM, llm: LLM) -> None:
         assert len(common) >= 2  # the scored token and at least one of the top 2
         for token_id in common:
             assert g[token_id] == pytest.approx(w[token_id], abs=1e-3)
+
+
+def test_constrained_outputs_equal_the_cpu_engine(dev: LLM, llm: LLM) -> None:
+    """Grammar bitmasks applied to device logits (and the constraint winning over min_tokens):
+    the same greedy tokens as the CPU engine."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=20,
+                       structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+        SamplingParams(temperature=0, max_tokens=30,
+                       structured_outputs=StructuredOutputsParams(json=schema)),
+        GREEDY,
+    ]  # fmt: skip
+    prompts = [PROMPT] * 3
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    got = dev.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert got[0].outputs[0].text in ("yes", "no")

@@ -19,6 +19,7 @@ from convoy.api.protocol import ErrorInfo, ErrorResponse
 from convoy.engine.errors import EngineError, EngineStepError, EngineUnavailableError
 from convoy.engine.tokenizer import TemplateError
 from convoy.sampling_params import SamplingParamsError
+from convoy.structured.params import StructuredOutputsError
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def from_exception(exc: Exception) -> APIError:
     """Map a domain exception to its API error; unknown exceptions are server errors."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, SamplingParamsError):
+    if isinstance(exc, SamplingParamsError | StructuredOutputsError):
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, TemplateError):
         return APIError(400, str(exc), param="messages")
@@ -148,6 +149,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(SamplingParamsError, on_api_error)
+    app.add_exception_handler(StructuredOutputsError, on_api_error)
     app.add_exception_handler(TemplateError, on_api_error)
     app.add_exception_handler(EngineError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -13,8 +13,19 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 
+from convoy.api.protocol_base import OpenAIModel, RequestModel
+from convoy.api.protocol_structured import (
+    Choices,
+    Grammar,
+    JsonSchema,
+    Regex,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    guided_constraints,
+    one_constraint,
+)
 from convoy.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
@@ -63,16 +74,6 @@ PromptInput = Annotated[
     | Annotated[list[list[TokenId]], Tag("list[list[int]]")],
     Discriminator(_json_form),
 ]
-
-
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class RequestModel(OpenAIModel):
-    """A request body (or a part of one): strict JSON types, finite numbers, extras ignored."""
-
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -137,6 +138,13 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool | None = True
     # only requests with the same salt share prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # structured outputs: one constraint object, or one of the older guided_* fields
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: Regex | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Grammar | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: there is one backend
 
     @property
     def include_usage(self) -> bool:
@@ -169,7 +177,18 @@ class SamplingRequest(RequestModel):
             "skip_special_tokens": self.skip_special_tokens is not False,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             "cache_salt": self.cache_salt,
+            "structured_outputs": one_constraint(self.constraints()),
         }
+
+    def constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every output constraint the request sets, as (field, its spec)."""
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        return guided_constraints(self.structured_outputs, guided)
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -289,7 +308,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     tool_choice: str | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -303,14 +322,13 @@ class ChatCompletionRequest(SamplingRequest):
             raise SamplingParamsError(
                 "tool_choice is not supported by this server yet", "tool_choice"
             )
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise SamplingParamsError(
-                f"response_format type {kind!r} is not supported yet; only 'text' is",
-                "response_format",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        found = super().constraints()
+        spec = None if self.response_format is None else self.response_format.spec()
+        return found if spec is None else [("response_format", spec), *found]
 
     def to_sampling_params(self) -> SamplingParams:
         """Engine parameters; max_completion_tokens wins over the deprecated max_tokens."""
@@ -339,6 +357,7 @@ class ChatChoiceLogprobs(OpenAIModel):
 class ChatMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None  # OpenAI's field (never set here); parse() reads it
 
 
 class ChatCompletionChoice(OpenAIModel):

@@ -5,7 +5,8 @@ a response model, or to an async iterator of chunk models. No HTTP here.
     before any work) -> capacity -> EngineClient.generate -> collect() | stream()
 
 Routes wrap the result (JSON or SSE); the Batch API calls `create` directly. Tokenizing and the
-front door's checks run in a worker thread for large requests (`off_loop`).
+front door's checks run in a worker thread for large requests (`off_loop`), and for every request
+with an output constraint (the front door compiles it, or finds it in the compile cache).
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         request.check()
         params: SamplingParams = request.to_sampling_params()
         api_id = new_id(self.id_prefix)
+        if params.structured_outputs is not None:
+            body_size = None  # compiling a constraint is not cheap: a worker thread, any size
         prompts, engine_requests = await off_loop(
             body_size, self._prepare, request, params, api_id, priority
         )

@@ -45,6 +45,10 @@ _DEAD = "the engine stopped after an internal error; this server cannot serve re
 _SHUTDOWN = "the server is shutting down"
 
 
+def _step_failed() -> EngineError:
+    return EngineStepError(_FAILED)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         """Load the model and tokenizer (slow) on the engine thread; steps begin with `start()`.
@@ -157,7 +161,7 @@ class AsyncEngine:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(queue.put_nowait, item)
 
-    def _fail(self, request_ids: Iterable[str], make_error: Callable[[], EngineError]) -> None:
+    def _fail(self, request_ids: Iterable[str], make_error: Callable[[], Exception]) -> None:
         """End these requests with an error (a fresh one each: an exception raised in several
         coroutines would chain their tracebacks together)."""
         with self._wakeup:
@@ -172,6 +176,7 @@ class AsyncEngine:
         try:
             self.core = EngineCore(config)
             self.frontend = EngineFrontend(self.core)
+            self.core.grammars.load()  # now, not in a request: building it holds the GIL
         except BaseException as e:  # noqa: BLE001 - re-raised in the constructing thread
             failure.append(e)
             return
@@ -218,18 +223,25 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - this request fails; the others go on
             logger.exception("queueing request %s failed", request.request_id)
             self.frontend.abort(request.request_id, emit=False)  # what of it was queued
-            self._fail([request.request_id], lambda: EngineStepError(_FAILED))
+            self._fail([request.request_id], _step_failed)
 
     def _step(self) -> None:
         try:
             self.frontend.step()
         except EngineStepError as e:  # the frontend has ended those requests already
-            logger.error(
-                "engine step failed; ending its %d request(s)", len(e.request_ids), exc_info=e
-            )
-            self._fail(e.request_ids, lambda: EngineStepError(_FAILED))
+            if e.errors:  # constraints that failed: the clients' errors, not the engine's
+                logger.warning("ending %d request(s): %s", len(e.request_ids), e)
+            else:
+                logger.error(
+                    "engine step failed; ending its %d request(s)", len(e.request_ids), exc_info=e
+                )
+            for request_id in e.request_ids:
+                make_error: Callable[[], Exception] = _step_failed
+                if request_id in e.errors:  # one request, one coroutine: the error itself
+                    make_error = functools.partial(e.errors.__getitem__, request_id)
+                self._fail([request_id], make_error)
         except Exception:  # noqa: BLE001 - outside the model run: end everything in flight
             logger.exception("engine step failed; ending every request in flight")
             request_ids = list(self.frontend.parents)
             self.frontend.abort_all(emit=False)
-            self._fail(request_ids, lambda: EngineStepError(_FAILED))
+            self._fail(request_ids, _step_failed)

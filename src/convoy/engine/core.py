@@ -16,10 +16,12 @@ from convoy.engine.errors import EngineStepError
 from convoy.engine.faults import FaultInjector
 from convoy.engine.output_processor import OutputProcessor, SeqDelta
 from convoy.engine.request import Request
-from convoy.engine.scheduler import Scheduler
+from convoy.engine.scheduler import Scheduler, SchedulerOutput
 from convoy.engine.stats import EngineStats
 from convoy.engine.tokenizer import Tokenizer
 from convoy.outputs import FinishReason
+from convoy.structured.compiler import GrammarCompiler
+from convoy.structured.matcher import fill_bitmasks
 from convoy.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,10 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.eos_token_ids = self._eos_ids(family.extra_stop_tokens)
+        # Structured outputs: compiled in callers' threads, matched here (`_constrain`).
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids
+        )
         self.output = OutputProcessor(self.tokenizer)
         self._faults = FaultInjector.from_env()  # None unless a test asks for faults
         # NOTE: other threads (the server's /metrics) read this snapshot, refreshed on the engine
@@ -74,6 +80,7 @@ class EngineCore:
         try:
             if self._faults is not None:
                 self._faults.check()
+            self._constrain(sched)
             runner_out = self.worker.execute(sched.seqs)
             deltas = self._process_outputs(self.scheduler.update_from_output(sched, runner_out))
         except Exception as e:
@@ -81,6 +88,21 @@ class EngineCore:
             raise EngineStepError("the engine failed while running this request", failed) from e
         self.last_stats = self.stats()
         return deltas
+
+    def _constrain(self, sched: SchedulerOutput) -> None:
+        """Fill the allowed-token bitmask of every constrained sequence that samples this step
+        (one array, a row each). A matcher that failed gets no mask: its sequence ends with its
+        error once the step is done, whatever it samples."""
+        rows = [
+            (req.grammar, seq.sampling)
+            for (req, _), seq in zip(sched.scheduled, sched.seqs, strict=True)
+            if req.grammar is not None and seq.sampling is not None
+        ]
+        if not rows:
+            return
+        bitmask = fill_bitmasks([grammar for grammar, _ in rows], self.grammars.num_words)
+        for (grammar, sampling), mask in zip(rows, bitmask, strict=True):
+            sampling.bitmask = None if grammar.is_failed else mask
 
     def _process_outputs(self, reqs: list[Request]) -> list[SeqDelta]:
         deltas = self.output.process(reqs)  # detokenize; a stop string finishes a sequence

@@ -15,12 +15,19 @@ class EngineError(Exception):
 class EngineStepError(EngineError):
     """An engine step failed: the requests it ran are ended, their KV blocks freed.
 
-    `request_ids` are the prompts (EngineRequest ids) that had a sequence in the failed step.
+    `request_ids` are the prompts (EngineRequest ids) that had a sequence in the failed step;
+    `errors`, what to tell some of them instead (a constraint that failed: a client error).
     """
 
-    def __init__(self, message: str, request_ids: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        message: str,
+        request_ids: frozenset[str] = frozenset(),
+        errors: dict[str, Exception] | None = None,
+    ) -> None:
         super().__init__(message)
         self.request_ids = request_ids
+        self.errors = errors or {}
 
 
 class EngineUnavailableError(EngineError):

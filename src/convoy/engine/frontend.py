@@ -20,14 +20,17 @@ from convoy.engine.parent_request import ParentRequest
 from convoy.engine.request import EngineRequest, Priority
 from convoy.outputs import RequestOutput
 from convoy.sampling_params import SamplingParams, SamplingParamsError
+from convoy.structured.compiler import GrammarCompiler
 
 
 class InputProcessor:
-    """Validation against the model: token ids inside the embedding, prompts inside the context."""
+    """Validation against the model: token ids inside the embedding, prompts inside the context;
+    and a constraint compiled (in the calling thread: the engine thread never compiles)."""
 
-    def __init__(self, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, vocab_size: int, max_model_len: int, grammars: GrammarCompiler) -> None:
         self.vocab_size = vocab_size  # rows of the model's embedding: the bound for token ids
         self.max_model_len = max_model_len
+        self.grammars = grammars
 
     def process(
         self,
@@ -41,7 +44,8 @@ class InputProcessor:
         max_tokens_must_fit: bool = False,
         priority: Priority = Priority.INTERACTIVE,
     ) -> EngineRequest:
-        """Raise SamplingParamsError naming the offending field (`param` for the prompt).
+        """Raise SamplingParamsError naming the offending field (`param` for the prompt), or
+        StructuredOutputsError when params.structured_outputs does not compile (cached per spec).
 
         With max_tokens_must_fit (the API's rule) a prompt whose max_tokens would run past the
         context is rejected; otherwise generation just stops at the context length.
@@ -55,9 +59,11 @@ class InputProcessor:
             raise SamplingParamsError(self._too_long(num_tokens, max_tokens), "max_tokens")
         self.check_token_ids(params.stop_token_ids, "stop_token_ids", allow_empty=True)
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias", allow_empty=True)
+        spec = params.structured_outputs
+        grammar = None if spec is None else self.grammars.compile(spec)
         return EngineRequest(
             request_id, prompt, list(prompt_token_ids), params, group_id or request_id,
-            time.monotonic(), priority,
+            time.monotonic(), priority, grammar,
         )  # fmt: skip
 
     def check_token_ids(self, token_ids: list[int], param: str, allow_empty: bool = False) -> None:
@@ -82,7 +88,7 @@ class EngineFrontend:
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self.inputs = InputProcessor(core.vocab_size, core.max_model_len)
+        self.inputs = InputProcessor(core.vocab_size, core.max_model_len, core.grammars)
         self.parents: dict[str, ParentRequest] = {}
 
     def has_work(self) -> bool:
@@ -112,6 +118,8 @@ class EngineFrontend:
 
         A failed step ends the prompts it ran (their blocks freed, nothing emitted) and raises
         EngineStepError naming them, for the caller to tell their clients; the rest go on.
+        So does a sequence whose constraint failed (its matcher hit a limit): its prompt ends
+        (every child), the error (StructuredOutputsError) in EngineStepError.errors.
         """
         try:
             deltas = self.core.step()
@@ -119,14 +127,27 @@ class EngineFrontend:
             for request_id in e.request_ids:
                 self.abort(request_id, emit=False)
             raise
-        self._route(deltas)
+        failed = self._route(deltas)
+        if failed:
+            for request_id in failed:
+                self.abort(request_id, emit=False)
+            first = next(iter(failed.values()))
+            raise EngineStepError(str(first), frozenset(failed), errors=failed)
 
-    def _route(self, deltas: list[SeqDelta]) -> None:
+    def _route(self, deltas: list[SeqDelta]) -> dict[str, Exception]:
+        """Hand deltas to their parents; returns the prompts a failed constraint ends, each
+        with its error (nothing of theirs is emitted)."""
         by_parent: dict[str, list[SeqDelta]] = {}
+        failed: dict[str, Exception] = {}
         for d in deltas:
             by_parent.setdefault(d.req.parent_id, []).append(d)
+            if d.req.error is not None:
+                failed.setdefault(d.req.parent_id, d.req.error)
         for request_id, group in by_parent.items():
+            if request_id in failed:
+                continue
             parent = self.parents[request_id]
             parent.update(group)
             if parent.finished:
                 del self.parents[request_id]
+        return failed

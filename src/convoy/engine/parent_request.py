@@ -50,6 +50,7 @@ class ParentRequest:
                 seed=child_seed(r.params.seed, j),
                 eos_token_ids=eos_token_ids,
                 priority=r.priority,
+                grammar=r.new_matcher(),
             )
             for j in range(r.params.num_seqs)
         ]

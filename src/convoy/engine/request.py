@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from convoy.outputs import FinishReason, PositionLogprobs
 from convoy.sampling_params import SamplingParams
+from convoy.structured.compiler import CompiledGrammar
+from convoy.structured.matcher import GrammarMatcher
+from convoy.structured.params import StructuredOutputsError
 
 
 class Priority(enum.IntEnum):
@@ -28,6 +31,14 @@ class EngineRequest:
     group_id: str  # the API request it belongs to (fair scheduling); its own id when alone
     arrival: float
     priority: Priority = Priority.INTERACTIVE
+    grammar: CompiledGrammar | None = None  # params.structured_outputs, compiled
+
+    def new_matcher(self) -> GrammarMatcher | None:
+        """A matcher for one of this prompt's sequences (each n / best_of child its own)."""
+        spec = self.params.structured_outputs
+        if self.grammar is None or spec is None:
+            return None
+        return self.grammar.matcher(spec.param)
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +73,8 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     first_token_time: float | None = None
     priority: Priority = Priority.INTERACTIVE
+    grammar: GrammarMatcher | None = None  # constrained: advanced with every output token
+    error: StructuredOutputsError | None = None  # why the engine ended it (finish reason abort)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

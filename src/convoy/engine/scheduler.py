@@ -174,6 +174,8 @@ class Scheduler:
             req.cumulative_logprob += lp
         if (entry := runner_out.logprobs.get(req.req_id)) is not None:
             req.logprobs.append(entry)
+        if req.grammar is not None and _grammar_ends(req, token_id):
+            return
         p = req.params
         num_out = req.num_output_tokens
         if num_out >= p.min_tokens:
@@ -320,6 +322,18 @@ class Scheduler:
         if not self.bm.enable_prefix_caching:
             return []
         return hash_prompt_blocks(req.prompt_token_ids, self.bm.block_size, req.params.cache_salt)
+
+
+def _grammar_ends(req: Request, token_id: int) -> bool:
+    """Advance a constrained sequence's matcher by its new token. A grammar that has fully
+    matched ends the sequence with stop (even under min_tokens or ignore_eos: the constraint
+    wins); a matcher that fails ends it with abort and `req.error` (the caller reports it)."""
+    assert req.grammar is not None
+    if not req.grammar.accept(token_id):
+        req.finish_reason, req.error = FinishReason.ABORT, req.grammar.error()
+    elif req.grammar.is_finished:
+        req.finish_reason = FinishReason.STOP
+    return req.finish_reason is not None
 
 
 def _scheduled_seq(req: Request, num_new: int) -> ScheduledSeq:

@@ -45,6 +45,12 @@ class Tokenizer:
         self.eos_token_id: int | None = self._tok.eos_token_id
         self._max_chars_per_token = _max_chars_per_token(self._backend)
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (read only: llguidance builds its view of the
+        vocabulary from it)."""
+        return self._tok
+
     def min_tokens(self, text: str) -> int:
         """A lower bound on the number of tokens `text` encodes to (0 when none is known), cheap
         enough to reject a 32 MiB prompt without tokenizing it: building the Python list of its

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from convoy.outputs import PositionLogprobs
 from convoy.sampling_params import SamplingParams
 
@@ -21,6 +24,9 @@ class SamplerRow:
     output_token_ids: list[int]
     stop_ids: list[int]  # EOS and stop token ids: masked while below min_tokens
     need_logprob: bool  # sampled-token logprob needed (logprobs asked, or best_of ranking)
+    # Constrained sequences: the tokens allowed next, one bit each (int32 words, llguidance's
+    # layout: bit t % 32 of word t // 32); filled by the engine before the step runs.
+    bitmask: npt.NDArray[np.int32] | None = None
 
 
 @dataclass(slots=True)

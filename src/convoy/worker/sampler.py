@@ -1,5 +1,7 @@
-"""Batched sampling: logit bias, min_tokens, penalties, greedy / temperature / top-k / top-p / min-p,
-per-sequence seeds, and logprobs of the raw distribution; prompt logprobs in bounded slices.
+"""Batched sampling: logit bias, min_tokens, penalties, grammar bitmasks (structured outputs),
+greedy / temperature / top-k / top-p / min-p, per-sequence seeds, and logprobs of the raw
+distribution; prompt logprobs in bounded slices. A batch with no processor and no constrained
+row samples its logits as they are (no copy).
 
 Every tensor lives on the logits' device (CPU or CUDA): nothing here assumes the CPU.
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from convoy.outputs import PositionLogprobs
@@ -36,8 +40,14 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
     """logits: (N, V) fp32 raw model logits, one row per sequence that samples."""
     raw = logits
-    if any(_has_processors(r) for r in rows):
-        logits = _apply_processors(logits.clone(), rows)
+    has_processors = any(_has_processors(r) for r in rows)
+    constrained = [(i, r.bitmask) for i, r in enumerate(rows) if r.bitmask is not None]
+    if has_processors or constrained:
+        logits = logits.clone()
+    if has_processors:
+        _apply_processors(logits, rows)
+    if constrained:
+        _apply_bitmasks(logits, raw, constrained)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if not random_rows:  # all greedy: no (N, V) gather copy
@@ -157,6 +167,45 @@ def _apply_processors(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Ten
             counts = torch.bincount(output_ids, minlength=logits.shape[1]).to(dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(dtype)
     return logits
+
+
+def _apply_bitmasks(
+    logits: torch.Tensor, raw: torch.Tensor, constrained: list[tuple[int, npt.NDArray[np.int32]]]
+) -> None:
+    """In place, after the other processors: in each constrained row ((row, bitmask) pairs),
+    every token its grammar forbids gets -inf. A row left with no finite logit (min_tokens,
+    ignore_eos or logit_bias banned every token the grammar allows) is redone from its raw
+    logits with the grammar's mask alone: the constraint wins. Elementwise per row, so the
+    other rows are untouched (batch invariance)."""
+    rows = [i for i, _ in constrained]
+    words = np.stack([bitmask for _, bitmask in constrained])  # (C, W) int32
+    # one byte per token, 1 = forbidden (a bit unset), viewed as bools: (C, V)
+    forbidden = np.unpackbits((~words).view(np.uint8), axis=1, bitorder="little")
+    forbidden = forbidden[:, : logits.shape[1]].view(np.bool_)
+    dead = _mask_rows(logits, rows, forbidden)
+    if dead:
+        again = [rows[j] for j in dead]
+        logits[again] = raw[again]
+        _mask_rows(logits, again, forbidden[dead])
+
+
+def _mask_rows(
+    logits: torch.Tensor, rows: list[int], forbidden: npt.NDArray[np.bool_]
+) -> list[int]:
+    """logits[rows[j]] = -inf where forbidden[j], in place; returns the j whose row has no
+    finite logit left."""
+    if logits.device.type == "cpu":
+        # NOTE: numpy, not masked_fill_: torch's CPU kernel with a bool mask was ~8x slower
+        # (measured 23 vs 2.7 ms for 16 rows of Gemma's 262k logits).
+        view = logits.numpy()
+        for j, i in enumerate(rows):
+            np.copyto(view[i], -np.inf, where=forbidden[j])
+        return [j for j, i in enumerate(rows) if view[i].max() == -np.inf]
+    mask = torch.from_numpy(forbidden).to(logits.device)
+    for j, i in enumerate(rows):
+        logits[i].masked_fill_(mask[j], float("-inf"))
+    empty = logits[rows].amax(-1) == float("-inf")
+    return [j for j, is_empty in enumerate(empty.tolist()) if is_empty]
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:

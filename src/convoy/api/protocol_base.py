@@ -1,0 +1,15 @@
+"""The base classes of every wire model (protocol.py, protocol_structured.py, batch/)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class RequestModel(OpenAIModel):
+    """A request body (or a part of one): strict JSON types, finite numbers, extras ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
