@@ -95,10 +95,12 @@ def _complete(client: OpenAI, prompt: str, **extra: Any) -> str:
 
 
 def test_health_answers_while_a_large_body_is_processed(hardened: Server) -> None:
-    """An 8 MiB prompt takes seconds to parse and tokenize (then is too long: 400); /health is
-    polled meanwhile and answers each time within 2 s (on the event loop it waited for it all)."""
-    text = "The quick brown fox jumps over the lazy dog. " * (LARGE_PROMPT_BYTES // 45)
-    body = json.dumps({"model": MODEL, "prompt": text, "max_tokens": 1}).encode()
+    """8 MiB of prompts take seconds to parse and tokenize (then each is too long: 400); /health
+    is polled meanwhile and answers each time within 2 s (on the event loop it waited for it all).
+    64 prompts of 128 KiB: each under the characters that certainly exceed the context
+    (one text of 8 MiB would be rejected before tokenizing), so every one is tokenized."""
+    piece = "The quick brown fox jumps over the lazy dog. " * (LARGE_PROMPT_BYTES // 64 // 45)
+    body = json.dumps({"model": MODEL, "prompt": [piece] * 64, "max_tokens": 1}).encode()
     done = threading.Event()
     result: dict[str, httpx.Response] = {}
 
