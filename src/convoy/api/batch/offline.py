@@ -26,20 +26,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from convoy.api.batch.db import fsync_dir
-from convoy.api.batch.executor import BatchExecutor, LineResult, Route, line_error_result
+from convoy.api.batch.executor import LineResult
+from convoy.api.batch.inprocess import EngineStopped, open_serving, run_endpoints
 from convoy.api.batch.ledger import PartFiles
-from convoy.api.batch.lines import InputLine, LineError, check_line, load_line, raw_lines
+from convoy.api.batch.lines import InputLine
+from convoy.api.batch.offline_lines import prepare, scan
 from convoy.api.batch.offline_state import STATE_SUFFIX, JobError, StateFile
-from convoy.api.batch.protocol import ENDPOINTS
-from convoy.api.batch.routes import WINDOW_PER_SEQ
-from convoy.api.engine_client import EngineClient, ServingLimits
-from convoy.api.protocol import ChatCompletionRequest, CompletionRequest
-from convoy.api.serving_chat import ChatServing
-from convoy.api.serving_completion import CompletionServing
 from convoy.config import ServerConfig
-from convoy.engine.errors import EngineUnavailableError
 
-__all__ = ["STATE_SUFFIX", "BatchSummary", "JobError", "OfflineJob", "run_batch"]
+__all__ = ["STATE_SUFFIX", "BatchSummary", "JobError", "OfflineJob", "check_paths", "run_batch"]
 
 
 @dataclass(slots=True)
@@ -78,40 +73,6 @@ class BatchSummary:
         )
 
 
-@dataclass(slots=True)
-class _Scanned:
-    """One line of the input as the scan sees it, before the model is known."""
-
-    number: int  # 1-based line of the file
-    custom_id: str | None  # a string seen first here: the line's key; else the number is
-    line: dict[str, object] | LineError
-
-    @property
-    def url(self) -> object:
-        return self.line.get("url") if isinstance(self.line, dict) else None
-
-
-def _scan(path: Path, max_line_bytes: int) -> Iterator[_Scanned]:
-    """Every non-blank line, loaded. A custom_id used before is a duplicate: that line gets no
-    key of its own, so each custom_id names one answer."""
-    seen: set[str] = set()
-    for number, raw in raw_lines(path, max_line_bytes):
-        try:
-            line = load_line(raw)
-        except LineError as e:
-            yield _Scanned(number, None, e)
-            continue
-        custom_id = line.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            yield _Scanned(number, None, line)  # check_line says what is wrong
-        elif custom_id in seen:
-            message = f"custom_id {custom_id!r} is used by an earlier line"
-            yield _Scanned(number, None, LineError("duplicate_custom_id", message, "custom_id"))
-        else:
-            seen.add(custom_id)
-            yield _Scanned(number, custom_id, line)
-
-
 class _Progress:
     """Counts for the summary, and the tqdm bar: lines done / total, tokens/s, ETA."""
 
@@ -142,25 +103,10 @@ class _Plan:
     model: str = ""  # the served model name, once the engine is loaded
 
     def lines(self, endpoint: str) -> Iterator[InputLine | LineResult]:
-        """The uncommitted lines for `endpoint`; the first endpoint's stream also answers the
-        lines that name no endpoint or cannot be read."""
-        is_first = endpoint == ENDPOINTS[0]
-        for item in _scan(self.job.input, self.job.settings.max_request_bytes):
-            if self.state.is_done(item.custom_id, item.number):
-                continue
-            if item.url != endpoint and (item.url in ENDPOINTS or not is_first):
-                continue
-            try:
-                if isinstance(item.line, LineError):
-                    raise item.line
-                if item.url not in ENDPOINTS:
-                    raise LineError("invalid_url", f"url must be one of {', '.join(ENDPOINTS)}")
-                custom_id, body = check_line(item.line, endpoint, self.model)
-            except LineError as e:
-                located = LineError(e.code, f"line {item.number}: {e.message}", e.param)
-                yield line_error_result(item.number, located, item.custom_id)
-                continue
-            yield InputLine(item.number, item.number, custom_id, body)
+        """The uncommitted lines `endpoint`'s run answers (see ScannedLine.endpoint)."""
+        for item in scan(self.job.input, self.job.settings.max_request_bytes):
+            if item.endpoint == endpoint and not self.state.is_done(item.custom_id, item.number):
+                yield prepare(item, self.model)
 
     async def ledger(self, results: list[LineResult]) -> None:
         """Append + fsync the results, then record them in the state file (+ fsync)."""
@@ -173,13 +119,13 @@ class _Plan:
 
 def run_batch(job: OfflineJob) -> BatchSummary:
     """Run every line of `job.input` not yet answered; raises JobError when the job cannot run."""
-    _check_paths(job)
+    check_paths(job, "state file", job.state)
     try:
         with open(job.input, "rb"):  # unreadable: fail before anything is written
             pass
         state = StateFile.open(job.state, job.input, job.output, job.error)
         total = skipped = 0
-        for item in _scan(job.input, job.settings.max_request_bytes):
+        for item in scan(job.input, job.settings.max_request_bytes):
             total += 1
             skipped += state.is_done(item.custom_id, item.number)
         parts = PartFiles(job.output, job.error, state.output_bytes, state.error_bytes)
@@ -193,54 +139,30 @@ def run_batch(job: OfflineJob) -> BatchSummary:
     return plan.summary
 
 
-def _check_paths(job: OfflineJob) -> None:
-    """Refuse (exit 2) a job whose files overlap: an output must never overwrite the input."""
-    named = {"input": job.input, "output": job.output, "state file": job.state}
+def check_paths(job: OfflineJob, what: str, sidecar: Path) -> None:
+    """Refuse (exit 2) a job whose files overlap (the input, the outputs and the job's own
+    `sidecar`, its state file or folder): an output must never overwrite the input."""
+    named = {"input": job.input, "output": job.output, what: sidecar}
     if job.error is not None:
         named["error file"] = job.error
     seen: dict[str, str] = {}
-    for what, path in named.items():
+    for name, path in named.items():
         key = os.path.realpath(path)
         if key in seen:
-            raise JobError(f"the {what} is the same file as the {seen[key]}: {path}", 2)
-        seen[key] = what
+            raise JobError(f"the {name} is the same file as the {seen[key]}: {path}", 2)
+        seen[key] = name
 
 
 async def _run_lines(plan: _Plan) -> None:
     """Load the engine, run both endpoints' lines, shut the engine down."""
-    from convoy.engine.async_engine import AsyncEngine
-
-    settings = plan.job.settings
-    scheduler = settings.engine.scheduler
-    scheduler.batch_max_seqs = scheduler.max_num_seqs  # no interactive traffic to make room for
-    try:
-        # Loading is slow and synchronous; the engine's own thread steps it afterwards.
-        engine = await asyncio.to_thread(AsyncEngine, settings.engine)
-    except Exception as e:  # noqa: BLE001 - any load failure ends the job with its message
-        raise JobError(f"could not load the model: {e}", 1) from e
-    try:
-        await engine.start()
-        client = EngineClient(
-            engine, settings.served_model_name or engine.model_name, ServingLimits.of(settings)
-        )
-        plan.model = client.served_model_name
-        routes = {
-            "/v1/completions": Route(CompletionRequest, CompletionServing(client)),
-            "/v1/chat/completions": Route(ChatCompletionRequest, ChatServing(client)),
-        }
+    async with open_serving(plan.job.settings) as serving:
+        plan.model = serving.model
         progress = _Progress(plan.summary, plan.job.progress)
-        window = WINDOW_PER_SEQ * settings.engine.scheduler.max_num_seqs
-        executor = BatchExecutor(routes, window, progress.on_result)
         try:
-            async with asyncio.TaskGroup() as group:
-                for endpoint in ENDPOINTS:
-                    group.create_task(executor.run(endpoint, plan.lines(endpoint), plan.ledger))
-        except* EngineUnavailableError as failed:
-            message = f"the engine stopped: {failed.exceptions[0]}; run again to resume"
-            raise JobError(message, 1) from None
+            await run_endpoints(serving.executor(progress.on_result), plan.lines, plan.ledger)
+        except* EngineStopped as stopped:
+            raise stopped.exceptions[0] from None
         except* OSError as failed:  # the output files or the state file (disk full, ...)
             raise JobError(f"could not record results: {failed.exceptions[0]}", 1) from None
         finally:
             progress.bar.close()
-    finally:
-        await engine.shutdown()
