@@ -148,6 +148,8 @@ WRONG_TYPES: list[tuple[str, str, Any]] = (
             "n": 2.0,
             "response_format": "text",
             "tools": {"type": "function"},
+            "tool_choice": 5,
+            "parallel_tool_calls": "yes",
             "top_logprobs": "2",
             "add_generation_prompt": "yes",
             "stream": 1,

@@ -154,9 +154,12 @@ _MESSAGES = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
@@ -191,12 +194,12 @@ def test_chat_messages_render_for_the_template() -> None:
             "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
         }
     )
-    assert parts.to_template() == {"role": "system", "content": "a\nb"}
+    assert parts.text() == "a\nb"
     image = ChatMessageParam.model_validate(
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     )
     with pytest.raises(SamplingParamsError) as info:
-        image.to_template()
+        image.text()
     assert info.value.param == "messages"
 
 

@@ -142,7 +142,7 @@ def test_openapi_schema_states_types_ranges_and_bounds() -> None:
     assert {"type": "string", "maxLength": MAX_STOP_CHARS} in stop_forms
     assert any(form.get("maxItems") == MAX_STOP_STRINGS for form in stop_forms)
     roles = schemas["ChatMessageParam"]["properties"]["role"]["enum"]
-    assert roles == ["system", "developer", "user", "assistant"]
+    assert roles == ["system", "developer", "user", "assistant", "tool"]
 
 
 # -- admission ---------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from convoy.engine.async_engine import AsyncEngine
     from convoy.engine.request import EngineRequest
     from convoy.engine.tokenizer import Tokenizer
+    from convoy.structured.compiler import GrammarCompiler
 
 RETRY_AFTER_S = 1  # sequences finish continuously; a short wait is usually enough
 
@@ -110,6 +111,11 @@ class EngineClient:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The front door's constraint compiler (and its cache)."""
+        return self.engine.frontend.inputs.grammars
 
     def check_model(self, model: str | None) -> None:
         """The `model` field must name the served model (omitting it means the served one)."""

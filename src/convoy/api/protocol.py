@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from convoy.api.protocol_base import OpenAIModel, RequestModel
+from convoy.api.protocol_base import OpenAIModel, RequestModel, is_none
 from convoy.api.protocol_structured import (
     Choices,
     Grammar,
@@ -26,6 +26,7 @@ from convoy.api.protocol_structured import (
     guided_constraints,
     one_constraint,
 )
+from convoy.api.protocol_tools import ChatMessageParam, DeltaToolCall, ToolCall, ToolsRequest
 from convoy.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
@@ -277,58 +278,29 @@ class CompletionStreamResponse(OpenAIModel):
 # -- /v1/chat/completions ----------------------------------------------------------------------
 
 
-class ContentPart(RequestModel):
-    type: str
-    text: str | None = None
-
-
-class ChatMessageParam(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    def to_template(self) -> dict[str, str]:
-        """The message as the chat template expects it: a role and one text string."""
-        role = "system" if self.role == "developer" else self.role
-        if self.content is None or isinstance(self.content, str):
-            return {"role": role, "content": self.content or ""}
-        texts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise SamplingParamsError(
-                    f"content part type {part.type!r} is not supported; only text parts are",
-                    "messages",
-                )
-            texts.append(part.text)
-        return {"role": role, "content": "\n".join(texts)}
-
-
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ToolsRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
     logprobs: bool | None = False
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     response_format: ResponseFormat | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True
 
     def check(self) -> None:
         super().check()
-        if self.tools:
-            raise SamplingParamsError("tools are not supported by this server yet", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise SamplingParamsError(
-                "tool_choice is not supported by this server yet", "tool_choice"
-            )
+        for message in self.messages:
+            message.check()
+        self.check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
 
     def constraints(self) -> list[tuple[str, dict[str, Any]]]:
         found = super().constraints()
         spec = None if self.response_format is None else self.response_format.spec()
-        return found if spec is None else [("response_format", spec), *found]
+        tools = self.tool_constraint()
+        first = [] if spec is None else [("response_format", spec)]
+        return first + found + ([] if tools is None else [tools])
 
     def to_sampling_params(self) -> SamplingParams:
         """Engine parameters; max_completion_tokens wins over the deprecated max_tokens."""
@@ -358,6 +330,7 @@ class ChatMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None  # OpenAI's field (never set here); parse() reads it
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=is_none)
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -379,6 +352,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=is_none)
 
 
 class ChatStreamChoice(OpenAIModel):

@@ -13,3 +13,8 @@ class RequestModel(OpenAIModel):
     """A request body (or a part of one): strict JSON types, finite numbers, extras ignored."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def is_none(value: object) -> bool:
+    """`exclude_if` of optional response fields that OpenAI omits rather than sends as null."""
+    return value is None

@@ -1,10 +1,16 @@
-"""POST /v1/chat/completions: messages -> chat template -> one engine request with n choices."""
+"""POST /v1/chat/completions: messages -> chat template -> one engine request with n choices.
+
+With tools (mode auto / required / a named function) each choice's text is split into content
+and tool calls (tool_format): whole, or as it streams, in OpenAI's delta shape.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
 
+from convoy.api.chat_template import apply_template
 from convoy.api.engine_client import EngineClient, Prompt
 from convoy.api.logprobs import chat_logprobs
 from convoy.api.protocol import (
@@ -14,34 +20,48 @@ from convoy.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
-    ChatMessageParam,
     ChatStreamChoice,
     DeltaMessage,
 )
+from convoy.api.protocol_tools import (
+    ChatMessageParam,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    ToolCall,
+    new_call_id,
+)
 from convoy.api.serving_base import Job, Outputs, ServingBase, finish_reason, is_empty_delta
-from convoy.outputs import CompletionOutput, RequestOutput
+from convoy.api.tool_format import CallDelta, ToolCallStream, parse_tool_calls
+from convoy.engine.request import Priority
+from convoy.outputs import CompletionOutput, FinishReason, RequestOutput
+from convoy.sampling_params import SamplingParams
+from convoy.structured.params import StructuredOutputsError, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from convoy.engine.request import EngineRequest
 
 _Job = Job[ChatCompletionRequest]
 
 
 def chat_text(
-    client: EngineClient, messages: list[ChatMessageParam], add_generation_prompt: bool
+    client: EngineClient,
+    messages: list[ChatMessageParam],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The model's chat template applied to the messages (TemplateError -> 400)."""
-    return client.tokenizer.apply_chat_template(
-        [m.to_template() for m in messages], add_generation_prompt
-    )
+    """The model's chat template applied to the messages and tools (TemplateError -> 400)."""
+    return apply_template(client.tokenizer, messages, add_generation_prompt, tools)
 
 
-def render_chat(
-    client: EngineClient, messages: list[ChatMessageParam], add_generation_prompt: bool
-) -> Prompt:
+def render_chat(client: EngineClient, request: ChatCompletionRequest) -> Prompt:
     """The templated prompt, tokenized as is.
 
     NOTE: the template already holds the special tokens (BOS, turn markers), so they are not
     added a second time.
     """
-    text = chat_text(client, messages, add_generation_prompt)
+    add_generation_prompt = request.add_generation_prompt is not False
+    tools = request.tools_for_prompt() if request.tools else None
+    text = chat_text(client, request.messages, add_generation_prompt, tools)
     return Prompt(text, client.encode_prompt(text, "messages", add_special_tokens=False))
 
 
@@ -51,8 +71,34 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
     chunk_type = ChatCompletionChunk
 
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
-        add_generation_prompt = request.add_generation_prompt is not False
-        return [render_chat(self.client, request.messages, add_generation_prompt)]
+        return [render_chat(self.client, request)]
+
+    def _prepare(
+        self,
+        request: ChatCompletionRequest,
+        params: SamplingParams,
+        api_id: str,
+        priority: Priority,
+    ) -> tuple[list[Prompt], list[EngineRequest]]:
+        try:
+            return super()._prepare(request, params, api_id, priority)
+        except StructuredOutputsError as e:
+            if e.param != "tools":
+                raise
+            raise self._tool_error(request, e) from None
+
+    def _tool_error(
+        self, request: ChatCompletionRequest, error: StructuredOutputsError
+    ) -> StructuredOutputsError:
+        """The tools' grammar did not compile: the compile error of the first function whose
+        parameters schema does not compile on its own, naming it; else the grammar's error."""
+        compiler = self.client.grammars
+        for index, name, schema in request.constrained_functions():
+            try:
+                compiler.compile(StructuredOutputsParams(json=schema, param="tools"))
+            except StructuredOutputsError as e:
+                return StructuredOutputsError(f"tools[{index}] ({name}): {e}", "tools")
+        return error
 
     def _logprobs(self, job: _Job, c: CompletionOutput) -> ChatChoiceLogprobs | None:
         if not job.request.logprobs:
@@ -61,21 +107,19 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
         num_top = job.request.top_logprobs or 0
         return ChatChoiceLogprobs(content=chat_logprobs(job.names, c.token_ids, positions, num_top))
 
+    def _choice(self, job: _Job, c: CompletionOutput) -> ChatCompletionChoice:
+        message, finish = _message(job.request, c)
+        return ChatCompletionChoice(
+            index=c.index, message=message, logprobs=self._logprobs(job, c), finish_reason=finish
+        )
+
     async def collect(self, job: _Job, outputs: Outputs) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         async with aclosing(outputs):
             async for _, out in outputs:
                 final = out
         assert final is not None, "the engine ended a request without output"
-        choices = [
-            ChatCompletionChoice(
-                index=c.index,
-                message=ChatMessage(content=c.text),
-                logprobs=self._logprobs(job, c),
-                finish_reason=finish_reason(c),
-            )
-            for c in sorted(final.outputs, key=lambda c: c.index)
-        ]
+        choices = [self._choice(job, c) for c in sorted(final.outputs, key=lambda c: c.index)]
         return ChatCompletionResponse(
             id=job.api_id,
             created=job.created,
@@ -89,22 +133,69 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
         """A role delta per choice first, then content deltas, each choice's finish, usage."""
         for j in range(job.n):
-            delta = DeltaMessage(role="assistant", content="")
-            yield self.chunk(job, [ChatStreamChoice(index=j, delta=delta)])
+            role = DeltaMessage(role="assistant", content="")
+            yield self.chunk(job, [ChatStreamChoice(index=j, delta=role)])
         num_completion_tokens = 0
+        is_tool_reply = job.request.tool_mode != "none"
+        parsers = {j: ToolCallStream() for j in range(job.n)} if is_tool_reply else {}
         async with aclosing(outputs):
             async for _, out in outputs:
                 for c in out.outputs:
                     num_completion_tokens += len(c.token_ids)
                     if is_empty_delta(c):
                         continue
+                    delta, finish = _delta(parsers.get(c.index), c)
+                    logprobs = self._logprobs(job, c)
+                    if delta is None and finish is None and logprobs is None:
+                        continue  # text held back (a call's head, perhaps the marker)
                     choice = ChatStreamChoice(
                         index=c.index,
-                        delta=DeltaMessage(content=c.text),
-                        logprobs=self._logprobs(job, c),
-                        finish_reason=finish_reason(c),
+                        delta=delta or DeltaMessage(),
+                        logprobs=logprobs,
+                        finish_reason=finish,
                     )
                     yield self.chunk(job, [choice])
                 job.record.num_completion_tokens = num_completion_tokens
         if (last := self.usage_chunk(job, num_completion_tokens)) is not None:
             yield last
+
+
+def _message(request: ChatCompletionRequest, c: CompletionOutput) -> tuple[ChatMessage, str | None]:
+    """A choice's message and finish reason: its calls when it stopped after complete ones
+    (finish `tool_calls`), else its text as content (a call cut by max_tokens stays text)."""
+    if request.tool_mode != "none" and c.finish_reason == FinishReason.STOP:
+        parsed = parse_tool_calls(c.text)
+        if parsed is not None:
+            content, calls = parsed
+            message = ChatMessage(content=content, tool_calls=[ToolCall.of(x) for x in calls])
+            return message, "tool_calls"
+    return ChatMessage(content=c.text), finish_reason(c)
+
+
+def _delta(
+    parser: ToolCallStream | None, c: CompletionOutput
+) -> tuple[DeltaMessage | None, str | None]:
+    """A choice's next delta (None: nothing to send yet) and finish reason; with a parser,
+    content and tool-call deltas (a call's id and name first, then its arguments as they
+    come). The finish is `tool_calls` when the whole text parses as calls, as in `_message`."""
+    if parser is None:
+        return DeltaMessage(content=c.text), finish_reason(c)
+    content, calls = parser.feed(c.text)
+    finish = finish_reason(c)
+    if c.finish_reason is not None:
+        content += parser.finish()
+        if c.finish_reason == FinishReason.STOP and parse_tool_calls(parser.text) is not None:
+            finish = "tool_calls"
+    if not content and not calls:
+        return None, finish
+    tool_calls = [_delta_call(d) for d in calls] or None
+    return DeltaMessage(content=content or None, tool_calls=tool_calls), finish
+
+
+def _delta_call(d: CallDelta) -> DeltaToolCall:
+    if d.name is None:
+        return DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
+    return DeltaToolCall(
+        index=d.index, id=new_call_id(), type="function",
+        function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+    )  # fmt: skip

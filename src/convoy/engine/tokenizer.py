@@ -80,13 +80,18 @@ class Tokenizer:
         return tokens
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """`tools`: function definitions, for a template that renders them itself."""
         if self.chat_template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
             text: str = self._tok.apply_chat_template(
                 messages,
+                tools=tools,
                 chat_template=self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
