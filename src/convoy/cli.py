@@ -113,6 +113,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="PATH",
         help="read the API key from this file, so it does not show in `ps` (as $CONVOY_API_KEY)",
     )
+    group = serve.add_argument_group(
+        "replicas on Ray Serve (pip install 'convoy[ray]')",
+        "N engines behind one endpoint: Serve's proxy listens on --host/--port and routes each"
+        " request to a replica (x-convoy-replica names it); /v1/files and /v1/batches answer 501",
+    )
+    _add_ray_arguments(group, "replicas", "local, with --replicas above 1")
     return serve
 
 
@@ -219,19 +225,24 @@ def _add_batch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     return batch
 
 
-def _add_cluster_arguments(batch: argparse.ArgumentParser) -> None:
-    group = batch.add_argument_group("on a Ray cluster (pip install 'convoy[ray]')")
+def _add_ray_arguments(group: argparse._ArgumentGroup, what: str, ray_default: str) -> None:
+    """--ray, --replicas and --replica-cpus, shared by `batch` (actors) and `serve` (replicas)."""
     group.add_argument(
         "--ray", metavar="ADDRESS|local[:N]",
         help="run on the Ray cluster at ADDRESS, or on a Ray instance started in this process"
-        " with N CPUs (local: all of them)",
+        f" with N CPUs (local: all of them; default: {ray_default})",
     )  # fmt: skip
-    group.add_argument("--replicas", type=_positive, metavar="N", help="engine actors (default: 1)")
+    group.add_argument("--replicas", type=_positive, metavar="N", help=f"{what} (default: 1)")
     group.add_argument(
         "--replica-cpus", type=float, metavar="X",
-        help="CPUs of each actor, its torch threads (default: the cluster's CPUs / --replicas,"
-        " whole CPUs, at most one node's)",
+        help=f"CPUs of each of the {what}, its torch threads (default: the cluster's CPUs /"
+        " --replicas, whole CPUs, at most one node's)",
     )  # fmt: skip
+
+
+def _add_cluster_arguments(batch: argparse.ArgumentParser) -> None:
+    group = batch.add_argument_group("on a Ray cluster (pip install 'convoy[ray]')")
+    _add_ray_arguments(group, "engine actors", "none: in this process")
     group.add_argument(
         "--shard-lines", type=_positive, metavar="N",
         help=f"input lines a shard: the unit of work, retry and resume (default: {_SHARD_LINES})",
@@ -272,21 +283,44 @@ def parse_serve_args(argv: Sequence[str] = ()) -> ServerConfig:
     return _settings(parser.parse_args(["serve", *argv]), parser)
 
 
+def uvicorn_options(settings: ServerConfig) -> dict[str, Any]:
+    """uvicorn.run's keywords for `convoy serve`.
+
+    NOTE: the event loop and HTTP parser are named, not "auto": the ray extra installs uvloop
+    and httptools (uvicorn[standard]), and "auto" would switch to them, so installing it would
+    change the single-machine server. uvicorn handles SIGINT/SIGTERM: stop accepting, let
+    in-flight requests finish (up to the grace period), then the lifespan shuts the engine
+    down. Our own middleware logs requests.
+    """
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "access_log": False,
+        "timeout_graceful_shutdown": 30,
+        "loop": "asyncio",
+        "http": "h11",
+    }
+
+
 def _serve(settings: ServerConfig) -> None:
     import uvicorn
 
     from convoy.api.server import build_app
 
-    # uvicorn handles SIGINT/SIGTERM: stop accepting, let in-flight requests finish (up to the
-    # grace period), then the lifespan shuts the engine down. Our own middleware logs requests.
-    uvicorn.run(
-        build_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
+    uvicorn.run(build_app(settings), **uvicorn_options(settings))
+
+
+def _serve_replicas(args: argparse.Namespace, settings: ServerConfig) -> None:
+    """`convoy serve --replicas N` / `--ray`: convoy.cluster, which imports Ray, only here."""
+    from convoy.api.batch.offline_state import JobError
+    from convoy.cluster import serve_replicas
+
+    try:
+        serve_replicas(settings, args.ray or "local", args.replicas or 1, args.replica_cpus)
+    except JobError as e:
+        print(f"convoy serve: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -329,7 +363,13 @@ def main(argv: list[str] | None = None) -> None:
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        _serve(_settings(args, parser))
+        on_ray = args.ray is not None or (args.replicas or 1) > 1
+        if args.replica_cpus is not None and not on_ray:
+            parser.error("--replica-cpus needs --replicas or --ray")
+        if on_ray:
+            _serve_replicas(args, _settings(args, parser))
+        else:
+            _serve(_settings(args, parser))
     elif args.command == "batch":
         given = [f for f in _CLUSTER_FLAGS if getattr(args, f) is not None]
         if args.ray is None and given:

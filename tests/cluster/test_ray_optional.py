@@ -29,3 +29,22 @@ def test_cluster_flags_need_ray(tmp_path: Path) -> None:
     done = _batch(tmp_path, "--replicas", "2", python=[sys.executable, "-m", "convoy.cli"])
     assert done.returncode == 2 and "--replicas needs --ray" in done.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_serve_replicas_without_ray_installed_exits_2_with_the_install_command() -> None:
+    cmd = [sys.executable, "-c", NO_RAY, "serve", "--replicas", "2", "--port", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--replicas needs Ray, which is not installed: pip install 'convoy[ray]'" in done.stderr
+
+
+def test_serve_replica_flags_are_checked_before_ray_starts() -> None:
+    cli = [sys.executable, "-m", "convoy.cli", "serve", "--port", "0"]
+    done = subprocess.run(
+        [*cli, "--replica-cpus", "1"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "--replica-cpus needs --replicas or --ray" in done.stderr
+    bad = [*cli, "--replicas", "2", "--ray", "local:0"]
+    done = subprocess.run(bad, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--ray local:N takes a positive number of CPUs, got local:0" in done.stderr

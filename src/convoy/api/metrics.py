@@ -91,11 +91,34 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-class ServerMetrics:
-    """One registry per app, so building two apps in one process never collides."""
+class _Labelled(Collector):
+    """Every sample of `inner` with `labels` added: a Serve replica's id on all its metrics, so
+    the replicas behind one endpoint can be told apart (and summed) by a scraper."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._inner = inner
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._inner.collect():  # fresh Metric objects each time: ours to change
+            metric.samples = [
+                s._replace(labels={**s.labels, **self._labels}) for s in metric.samples
+            ]
+            yield metric
+
+
+class ServerMetrics:
+    """One registry per app, so building two apps in one process never collides.
+
+    `labels` (a Serve replica's id) are added to every sample /metrics shows.
+    """
+
+    def __init__(self, labels: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry()
+        self._shown = self.registry
+        if labels:
+            self._shown = CollectorRegistry()
+            self._shown.register(_Labelled(self.registry, labels))
         self.requests = Counter(
             "convoy_http_requests",
             "HTTP requests by route and status.",
@@ -129,4 +152,4 @@ class ServerMetrics:
             self.ttft.labels(route).observe(record.first_token_time - record.start)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._shown)

@@ -35,11 +35,17 @@ async def send_error(send: Send, err: APIError) -> None:
 
 
 class RequestLogMiddleware:
-    """Give each request an id and a RequestRecord; log one line and count it when it ends."""
+    """Give each request an id and a RequestRecord; log one line and count it when it ends.
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+    `headers` go on every response (a Serve replica names itself: x-convoy-replica).
+    """
+
+    def __init__(
+        self, app: ASGIApp, metrics: ServerMetrics, headers: dict[str, str] | None = None
+    ) -> None:
         self.app = app
         self.metrics = metrics
+        self.headers = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,7 +61,7 @@ class RequestLogMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = list(message.get("headers", []))
-                headers.append((b"x-request-id", record.request_id.encode()))
+                headers += [(b"x-request-id", record.request_id.encode()), *self.headers]
                 message = {**message, "headers": headers}
             await send(message)
 

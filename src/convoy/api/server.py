@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from convoy.api.batch.db import BatchDB, DataDirBusy, default_data_dir
-from convoy.api.batch.files import add_file_routes
+from convoy.api.batch.files import FILES_PATH, add_file_routes
 from convoy.api.batch.routes import BatchMetrics, add_batch_routes, start_batches
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError, install_error_handlers
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+REPLICA_HEADER = "x-convoy-replica"  # names the Serve replica that answered (with --replicas)
+
 try:
     VERSION = importlib.metadata.version("convoy")
 except importlib.metadata.PackageNotFoundError:  # running from a source tree, not installed
@@ -75,7 +77,7 @@ ServerSettings = ServerConfig
 
 def _lifespan(
     settings: ServerSettings, engine: AsyncEngine | None, metrics: ServerMetrics,
-    batch_metrics: BatchMetrics,
+    batch_metrics: BatchMetrics, has_store: bool,
 ) -> Any:  # fmt: skip
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,7 +96,7 @@ def _lifespan(
         app.state.engine, app.state.client = engine, client
         app.state.completions, app.state.chat = CompletionServing(client), ChatServing(client)
         app.state.created = int(time.time())
-        app.state.batch_db = _open_data_dir(settings)
+        app.state.batch_db = _open_data_dir(settings) if has_store else None
         start_batches(app, settings, batch_metrics)
         logger.info("serving %s (max_model_len %d)", name, engine.max_model_len)
         try:
@@ -120,14 +122,23 @@ def _open_data_dir(settings: ServerSettings) -> BatchDB | None:
         return None
 
 
-def build_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> FastAPI:
-    """The server app. The lifespan creates the engine from `settings` unless one is given."""
-    metrics = ServerMetrics()
+def build_app(
+    settings: ServerSettings, engine: AsyncEngine | None = None, replica: str | None = None
+) -> FastAPI:
+    """The server app. The lifespan creates the engine from `settings` unless one is given.
+
+    `replica`: this app is one of several Ray Serve replicas (convoy.cluster.serve) behind one
+    endpoint: its responses carry `x-convoy-replica`, its metrics a `replica` label, and it
+    keeps no Batch API store (one per replica would run a batch twice): those routes answer 501.
+    """
+    labels = {"replica": replica} if replica is not None else None
+    metrics = ServerMetrics(labels)
+    batch_metrics = BatchMetrics(metrics.registry)
     app = FastAPI(
         title="Convoy",
         version=VERSION,
         summary="OpenAI-compatible LLM server with continuous batching",
-        lifespan=_lifespan(settings, engine, metrics, BatchMetrics(metrics.registry)),
+        lifespan=_lifespan(settings, engine, metrics, batch_metrics, replica is None),
     )
     install_error_handlers(app)
     _describe_bodies(app)
@@ -139,12 +150,35 @@ def build_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> Fa
     )
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(RequestLogMiddleware, metrics=metrics)
+    headers = {REPLICA_HEADER: replica} if replica is not None else None
+    app.add_middleware(RequestLogMiddleware, metrics=metrics, headers=headers)
     _add_generation_routes(app)
     _add_info_routes(app, metrics)
-    add_file_routes(app, settings)
-    add_batch_routes(app, settings)
+    if replica is None:
+        add_file_routes(app, settings)
+        add_batch_routes(app, settings)
+    else:
+        _add_no_store_routes(app)
     return app
+
+
+def _add_no_store_routes(app: FastAPI) -> None:
+    """/v1/files and /v1/batches under replicas: 501, an OpenAI error object (not a 404)."""
+
+    async def unsupported() -> Response:
+        raise APIError(
+            501,
+            "the Batch API (/v1/files, /v1/batches) is not available with --replicas: run"
+            " `convoy batch --ray` for batch files on a cluster, or one `convoy serve`",
+            code="not_implemented",
+        )
+
+    methods = ["GET", "POST", "DELETE"]
+    for root in (FILES_PATH, "/v1/batches"):
+        app.add_api_route(root, unsupported, methods=methods, include_in_schema=False)
+        app.add_api_route(
+            root + "/{rest:path}", unsupported, methods=methods, include_in_schema=False
+        )
 
 
 def _describe_bodies(app: FastAPI) -> None:

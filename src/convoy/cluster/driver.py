@@ -15,11 +15,9 @@ in one place. A job that fails keeps its part files: the same command resumes it
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 import warnings
-from typing import Any
 
 import ray
 import ray.data
@@ -29,9 +27,16 @@ from convoy.api.batch.offline import BatchSummary, check_paths
 from convoy.api.batch.offline_state import JobError
 from convoy.cluster.options import ClusterJob
 from convoy.cluster.parts import PartFolder
+from convoy.cluster.ray_setup import (
+    brief,
+    build_kernels,
+    connect,
+    flat_settings,
+    replica_cpus,
+    threads_of,
+)
 from convoy.cluster.shards import Shard, ShardAnswer, plan_shards
 from convoy.cluster.worker import FaultHooks, ShardWorker
-from convoy.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +70,11 @@ def run(cjob: ClusterJob) -> BatchSummary:
 
 def _run_shards(cjob: ClusterJob, todo: list[Shard], folder: PartFolder, s: BatchSummary) -> None:
     """Run `todo` on the cluster; each answer becomes its part file as it arrives."""
-    _connect(cjob)
+    connect(cjob.address, cjob.job.settings.log_level)
     try:
-        cpus = _replica_cpus(cjob)
+        cpus = replica_cpus(cjob.replicas, cjob.replica_cpus)
         if cjob.fake_engine is None:
-            _build_kernels(cjob.job.settings)
+            build_kernels(cjob.job.settings)
         start = time.perf_counter()
         by_id = {shard.id: shard for shard in todo}
         written: set[str] = set()
@@ -88,46 +93,9 @@ def _run_shards(cjob: ClusterJob, todo: list[Shard], folder: PartFolder, s: Batc
     except OSError as e:
         raise JobError(f"could not write a part file: {e}; run again to resume", 1) from None
     except Exception as e:  # noqa: BLE001 - Ray's errors: the job failed, the parts are kept
-        raise JobError(f"the Ray job failed: {_brief(e)}; run again to resume", 1) from None
+        raise JobError(f"the Ray job failed: {brief(e)}; run again to resume", 1) from None
     finally:
         ray.shutdown()
-
-
-def _connect(cjob: ClusterJob) -> None:
-    level = logging.DEBUG if cjob.job.settings.log_level == "debug" else logging.WARNING
-    try:
-        if cjob.is_local:
-            ray.init(num_cpus=cjob.local_cpus, include_dashboard=False, logging_level=level)
-        else:
-            ray.init(address=cjob.address, logging_level=level)
-    except Exception as e:  # noqa: BLE001 - no cluster there, or Ray cannot start
-        raise JobError(f"could not start or reach Ray ({cjob.address}): {_brief(e)}", 1) from None
-
-
-def _replica_cpus(cjob: ClusterJob) -> float:
-    """Each actor's CPUs: --replica-cpus, else the cluster's CPUs over the replicas (whole
-    CPUs from 1 up, at most one node's). JobError (2) when the cluster cannot hold them all."""
-    nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
-    total = sum(nodes)
-    cpus = cjob.replica_cpus
-    if cpus is None:
-        cpus = min(max(nodes, default=0.0), total / cjob.replicas)
-        cpus = math.floor(cpus) if cpus >= 1 else cpus
-    if cpus <= 0 or cpus * cjob.replicas > total or cpus > max(nodes, default=0.0):
-        raise JobError(
-            f"{cjob.replicas} replicas x {cpus:g} CPUs do not fit the cluster's CPUs"
-            f" ({' + '.join(f'{n:g}' for n in nodes) or 'none'})", 2
-        )  # fmt: skip
-    return cpus
-
-
-def _build_kernels(settings: ServerConfig) -> None:
-    """Build the CPU kernels here, once, before the actors start: on this machine they then
-    load the cached build instead of N compilers at once (other nodes build their own)."""
-    if settings.engine.cpu_kernels and not settings.engine.device.startswith("cuda"):
-        from convoy import kernels
-
-        kernels.available()
 
 
 def _answers(cjob: ClusterJob, todo: list[Shard], cpus: float) -> ray.data.Dataset:
@@ -139,8 +107,8 @@ def _answers(cjob: ClusterJob, todo: list[Shard], cpus: float) -> ray.data.Datas
     context.enable_progress_bars = cjob.job.progress and sys.stderr.isatty()
     rows = [{"shard": shard.id, "payload": shard.payload()} for shard in todo]
     shards = ray.data.from_items(rows, override_num_blocks=len(rows))  # a block per shard
-    threads = max(1, math.floor(cpus))
-    settings = _flat(cjob.job.settings)
+    threads = threads_of(cpus)
+    settings = flat_settings(cjob.job.settings)
     hooks = FaultHooks.from_env().as_kwargs()
     with warnings.catch_warnings():  # Ray 2.60 names max_restarts / max_task_retries so
         warnings.simplefilter("ignore", RayDeprecationWarning)
@@ -157,22 +125,3 @@ def _answers(cjob: ClusterJob, todo: list[Shard], cpus: float) -> ray.data.Datas
             num_cpus=cpus, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
             max_restarts=-1, max_task_retries=SHARD_RETRIES,
         )  # fmt: skip
-
-
-def _flat(config: Any) -> dict[str, Any]:
-    """A nested config dataclass as the flat keywords `from_kwargs` takes: plain data."""
-    flat: dict[str, Any] = {}
-    for name in config.__dataclass_fields__:
-        value = getattr(config, name)
-        flat.update(_flat(value) if hasattr(value, "__dataclass_fields__") else {name: value})
-    return flat
-
-
-def _brief(e: BaseException) -> str:
-    """What failed: the first line of a task's own error (a RayTaskError's cause; Ray adds retry
-    advice after it, and the remote traceback around it), else the last line of the text."""
-    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
-        lines = str(e.cause).strip().splitlines()[:1]
-    else:
-        lines = str(e).strip().splitlines()[-1:]
-    return (lines[0].strip() if lines else type(e).__name__)[:500]

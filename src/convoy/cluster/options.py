@@ -20,20 +20,30 @@ class ClusterJob:
 
     @property
     def is_local(self) -> bool:
-        return self.address == "local" or self.address.startswith("local:")
-
-    @property
-    def local_cpus(self) -> int | None:
-        """N of `local:N`; None for `local` (every CPU) and a cluster's address."""
-        _, _, cpus = self.address.partition(":")
-        return int(cpus) if self.is_local and cpus else None
+        return is_local(self.address)
 
     def validate(self) -> None:
         """JobError (exit 2) for options that cannot run, before anything starts."""
-        _, _, cpus = self.address.partition(":")
-        if self.is_local and cpus and (not cpus.isdigit() or int(cpus) <= 0):
-            raise JobError(f"--ray local:N takes a positive number of CPUs, got {self.address}", 2)
-        if self.replica_cpus is not None and self.replica_cpus <= 0:
-            raise JobError(f"--replica-cpus must be positive, got {self.replica_cpus}", 2)
+        check_place(self.address, self.replica_cpus)
         if self.fake_engine is not None:
             parse_fake_engine(self.fake_engine)
+
+
+def is_local(address: str) -> bool:
+    """`local` or `local:N`: a Ray instance started in this process, not a cluster's address."""
+    return address == "local" or address.startswith("local:")
+
+
+def local_cpus(address: str) -> int | None:
+    """N of `local:N`; None for `local` (every CPU) and a cluster's address."""
+    _, _, cpus = address.partition(":")
+    return int(cpus) if is_local(address) and cpus else None
+
+
+def check_place(address: str, replica_cpus: float | None) -> None:
+    """JobError (exit 2) for a --ray / --replica-cpus pair that cannot run."""
+    _, _, cpus = address.partition(":")
+    if is_local(address) and cpus and (not cpus.isdigit() or int(cpus) <= 0):
+        raise JobError(f"--ray local:N takes a positive number of CPUs, got {address}", 2)
+    if replica_cpus is not None and replica_cpus <= 0:
+        raise JobError(f"--replica-cpus must be positive, got {replica_cpus}", 2)
