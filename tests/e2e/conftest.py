@@ -7,6 +7,7 @@ server drains and exits cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -102,6 +103,18 @@ def start_server(serve_args: list[str], log_dir: Path) -> Server:
     return server
 
 
+@contextlib.contextmanager
+def served_client(serve_args: list[str], log_dir: Path, log_line: str) -> Iterator[OpenAI]:
+    """An official client of a server started with `serve_args`, whose log must show `log_line`
+    (what the test relies on: the model or device it loaded); the server stops afterwards."""
+    server = start_server(serve_args, log_dir)
+    try:
+        assert log_line in server.log()
+        yield OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    finally:
+        stop_server(server)
+
+
 def stop_server(server: Server) -> None:
     if server.proc.poll() is None:
         server.proc.kill()
@@ -151,12 +164,10 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
     """A second server: Gemma 3 in dtype auto (its GGUF quantized, as `convoy serve gemma3-270m`
     runs it)."""
     args = [GEMMA, "--dtype", "auto", "--kv-cache-memory", "64MiB", "--log-level", "info"]
-    server = start_server(args, tmp_path_factory.mktemp("gemma"))
-    try:
-        assert f"loaded {GEMMA} (Gemma3ForCausalLM)" in server.log()
-        yield OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    finally:
-        stop_server(server)
+    with served_client(
+        args, tmp_path_factory.mktemp("gemma"), f"loaded {GEMMA} (Gemma3ForCausalLM)"
+    ) as client:
+        yield client
 
 
 @pytest.fixture(scope="session")

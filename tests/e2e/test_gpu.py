@@ -10,8 +10,8 @@ import pytest
 import torch
 from openai import OpenAI
 
-from tests.e2e.conftest import start_server, stop_server
-from tests.e2e.helpers import API_KEY, MODEL, complete, texts
+from tests.e2e.conftest import served_client
+from tests.e2e.helpers import MODEL, complete, texts
 from tests.engine.test_gpu import DEVICE
 
 pytestmark = [
@@ -25,12 +25,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def gpu_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
     args = [MODEL, "--device", DEVICE, "--kv-cache-memory", "256MiB", "--log-level", "info"]
-    server = start_server(args, tmp_path_factory.mktemp("gpu"))
-    try:
-        assert f" on {DEVICE}" in server.log()
-        yield OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    finally:
-        stop_server(server)
+    with served_client(args, tmp_path_factory.mktemp("gpu"), f" on {DEVICE}") as client:
+        yield client
 
 
 def test_sampled_completion_on_the_device(gpu_client: OpenAI) -> None:
