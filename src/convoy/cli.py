@@ -116,7 +116,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     group = serve.add_argument_group(
         "replicas on Ray Serve (pip install 'convoy[ray]')",
         "N engines behind one endpoint: Serve's proxy listens on --host/--port and routes each"
-        " request to a replica (x-convoy-replica names it); /v1/files and /v1/batches answer 501",
+        " request to a replica (x-convoy-replica names it); /v1/files and /v1/batches: one store"
+        " (--data-dir, on this machine), each batch line run on a replica",
     )
     _add_ray_arguments(group, "replicas", "local, with --replicas above 1")
     return serve

@@ -23,8 +23,15 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from convoy.api.batch.db import BatchDB, DataDirBusy, default_data_dir
-from convoy.api.batch.files import FILES_PATH, add_file_routes
-from convoy.api.batch.routes import BatchMetrics, add_batch_routes, start_batches
+from convoy.api.batch.executor import LineRunner
+from convoy.api.batch.files import add_file_routes
+from convoy.api.batch.routes import (
+    BatchMetrics,
+    add_batch_routes,
+    batch_window,
+    local_routes,
+    start_batches,
+)
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError, install_error_handlers
 from convoy.api.metrics import RequestRecord, ServerMetrics
@@ -97,7 +104,9 @@ def _lifespan(
         app.state.completions, app.state.chat = CompletionServing(client), ChatServing(client)
         app.state.created = int(time.time())
         app.state.batch_db = _open_data_dir(settings) if has_store else None
-        start_batches(app, settings, batch_metrics)
+        start_batches(
+            app, settings, batch_metrics, local_routes(app.state), name, batch_window(settings)
+        )
         logger.info("serving %s (max_model_len %d)", name, engine.max_model_len)
         try:
             yield
@@ -129,7 +138,9 @@ def build_app(
 
     `replica`: this app is one of several Ray Serve replicas (convoy.cluster.serve) behind one
     endpoint: its responses carry `x-convoy-replica`, its metrics a `replica` label, and it
-    keeps no Batch API store (one per replica would run a batch twice): those routes answer 501.
+    keeps no Batch API store (one per replica would run a batch twice): the coordinator's app
+    (build_batch_app) owns /v1/files and /v1/batches and sends each line to a replica's engine
+    (`serve_line` on `app.state`).
     """
     labels = {"replica": replica} if replica is not None else None
     metrics = ServerMetrics(labels)
@@ -140,8 +151,21 @@ def build_app(
         summary="OpenAI-compatible LLM server with continuous batching",
         lifespan=_lifespan(settings, engine, metrics, batch_metrics, replica is None),
     )
+    app.state.batch_metrics = batch_metrics
     install_error_handlers(app)
     _describe_bodies(app)
+    _add_middleware(app, settings, metrics, {REPLICA_HEADER: replica} if replica else None)
+    _add_generation_routes(app)
+    _add_info_routes(app, metrics)
+    if replica is None:
+        add_file_routes(app, settings)
+        add_batch_routes(app, settings)
+    return app
+
+
+def _add_middleware(
+    app: FastAPI, settings: ServerSettings, metrics: ServerMetrics, headers: dict[str, str] | None
+) -> None:
     # Added innermost first: the request log wraps everything, so 401 and 413 are logged too.
     app.add_middleware(
         BodyLimitMiddleware,
@@ -150,35 +174,36 @@ def build_app(
     )
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    headers = {REPLICA_HEADER: replica} if replica is not None else None
     app.add_middleware(RequestLogMiddleware, metrics=metrics, headers=headers)
-    _add_generation_routes(app)
-    _add_info_routes(app, metrics)
-    if replica is None:
-        add_file_routes(app, settings)
-        add_batch_routes(app, settings)
-    else:
-        _add_no_store_routes(app)
+
+
+def build_batch_app(
+    settings: ServerSettings, routes: dict[str, LineRunner], model: str, window: int
+) -> FastAPI:
+    """The Batch API alone, with no engine: /v1/files and /v1/batches over the data folder,
+    each line run by `routes` (`convoy serve --replicas`: on the engine replicas), `window`
+    lines in flight, the lines naming the served model `model`."""
+    metrics = ServerMetrics()
+    batch_metrics = BatchMetrics(metrics.registry)  # the replicas count the lines they run
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.batch_db = _open_data_dir(settings)
+        start_batches(app, settings, batch_metrics, routes, model, window)
+        try:
+            yield
+        finally:
+            if app.state.batch_runner is not None:
+                await app.state.batch_runner.stop()  # finished lines committed, the rest resume
+            if app.state.batch_db is not None:
+                app.state.batch_db.close()
+
+    app = FastAPI(title="Convoy Batch API", version=VERSION, lifespan=lifespan)
+    install_error_handlers(app)
+    _add_middleware(app, settings, metrics, None)
+    add_file_routes(app, settings)
+    add_batch_routes(app, settings)
     return app
-
-
-def _add_no_store_routes(app: FastAPI) -> None:
-    """/v1/files and /v1/batches under replicas: 501, an OpenAI error object (not a 404)."""
-
-    async def unsupported() -> Response:
-        raise APIError(
-            501,
-            "the Batch API (/v1/files, /v1/batches) is not available with --replicas: run"
-            " `convoy batch --ray` for batch files on a cluster, or one `convoy serve`",
-            code="not_implemented",
-        )
-
-    methods = ["GET", "POST", "DELETE"]
-    for root in (FILES_PATH, "/v1/batches"):
-        app.add_api_route(root, unsupported, methods=methods, include_in_schema=False)
-        app.add_api_route(
-            root + "/{rest:path}", unsupported, methods=methods, include_in_schema=False
-        )
 
 
 def _describe_bodies(app: FastAPI) -> None:

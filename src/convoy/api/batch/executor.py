@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +43,9 @@ class LineResult:
 
 
 Ledger = Callable[[list[LineResult]], Awaitable[None]]  # make a group of results durable
+# A line run elsewhere (`convoy serve --replicas`: on an engine replica); EngineUnavailableError
+# stops the run as a local route's would.
+LineRunner = Callable[[InputLine], Awaitable[LineResult]]
 
 
 @dataclass(slots=True)
@@ -78,7 +82,7 @@ class BatchExecutor:
     """Runs batches' lines; `window` bounds the lines in flight over all runs together."""
 
     def __init__(
-        self, routes: dict[str, Route], window: int,
+        self, routes: Mapping[str, Route | LineRunner], window: int,
         on_result: Callable[[LineResult], None] | None = None,  # metrics, progress bars
     ) -> None:  # fmt: skip
         self.routes = routes
@@ -123,9 +127,11 @@ class _Run:
     """One run's lines in flight and finished results not yet committed."""
 
     def __init__(
-        self, route: Route, ledger: Ledger, on_result: Callable[[LineResult], None] | None
-    ) -> None:
-        self.route, self.ledger, self.on_result = route, ledger, on_result
+        self, route: Route | LineRunner, ledger: Ledger,
+        on_result: Callable[[LineResult], None] | None,
+    ) -> None:  # fmt: skip
+        self.run_line = partial(run_line, route) if isinstance(route, Route) else route
+        self.ledger, self.on_result = ledger, on_result
         self.tasks: set[asyncio.Task[None]] = set()
         self.failure: list[BaseException] = []
         self.pending: list[LineResult] = []
@@ -133,7 +139,7 @@ class _Run:
 
     async def one(self, line: InputLine | LineResult, slots: asyncio.Semaphore) -> None:
         try:
-            result = line if isinstance(line, LineResult) else await run_line(self.route, line)
+            result = line if isinstance(line, LineResult) else await self.run_line(line)
         except EngineUnavailableError as e:
             self.failure.append(e)
             return
@@ -170,14 +176,19 @@ async def run_line(route: Route, line: InputLine) -> LineResult:
     except EngineUnavailableError:
         raise
     except Exception as e:  # noqa: BLE001 - the line's own error, as HTTP would answer it
-        err = from_exception(e)
-        body = err.to_response().model_dump_json()
-        return LineResult(
-            line.index, line.custom_id, False, response_line(line.custom_id, err.status, body)
-        )
+        return failed_result(line, e)
     usage = getattr(response, "usage", None)
     return LineResult(
         line.index, line.custom_id, True,
         response_line(line.custom_id, 200, response.model_dump_json()),
         usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,
     )  # fmt: skip
+
+
+def failed_result(line: InputLine, e: Exception) -> LineResult:
+    """The line's error response, as its HTTP request would get it (a 500 for a bug)."""
+    err = from_exception(e)
+    body = err.to_response().model_dump_json()
+    return LineResult(
+        line.index, line.custom_id, False, response_line(line.custom_id, err.status, body)
+    )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
@@ -12,7 +13,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from convoy.api.batch.db import BatchDB
-from convoy.api.batch.executor import BatchExecutor, LineResult, Route
+from convoy.api.batch.executor import BatchExecutor, LineResult, LineRunner, Route, run_line
+from convoy.api.batch.lines import InputLine
 from convoy.api.batch.protocol import (
     COMPLETION_WINDOWS,
     ENDPOINTS,
@@ -25,6 +27,7 @@ from convoy.api.batch.store import BatchStore
 from convoy.api.errors import APIError
 from convoy.api.protocol import ChatCompletionRequest, CompletionRequest
 from convoy.config import ServerConfig
+from convoy.engine.errors import EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -56,25 +59,51 @@ class BatchMetrics(Collector):
         return [GaugeMetricFamily("convoy_batch_queue_lines", doc, value=depth)]
 
 
-def start_batches(app: FastAPI, settings: ServerConfig, metrics: BatchMetrics) -> None:
-    """In the lifespan, once the serving objects exist: resume unfinished batches."""
+def local_routes(state: Any) -> dict[str, Route]:
+    """The endpoints a batch may name, over this app's serving objects (`app.state`)."""
+    return {
+        "/v1/completions": Route(CompletionRequest, state.completions),
+        "/v1/chat/completions": Route(ChatCompletionRequest, state.chat),
+    }
+
+
+def batch_window(settings: ServerConfig, num_engines: int = 1) -> int:
+    """Lines in flight: enough to keep every engine's batch sequence slots full."""
+    scheduler = settings.engine.scheduler
+    return WINDOW_PER_SEQ * min(scheduler.max_num_seqs, scheduler.batch_max_seqs) * num_engines
+
+
+def start_batches(
+    app: FastAPI, settings: ServerConfig, metrics: BatchMetrics,
+    routes: Mapping[str, Route | LineRunner], model: str, window: int,
+) -> None:  # fmt: skip
+    """In the lifespan, once the lines have somewhere to run: resume unfinished batches.
+
+    `model`: the served model name the lines must name; `window`: lines in flight.
+    """
     db: BatchDB | None = app.state.batch_db
     app.state.batch_runner = None
     if db is None:
         return
-    routes = {
-        "/v1/completions": Route(CompletionRequest, app.state.completions),
-        "/v1/chat/completions": Route(ChatCompletionRequest, app.state.chat),
-    }
-    scheduler = settings.engine.scheduler
-    window = WINDOW_PER_SEQ * min(scheduler.max_num_seqs, scheduler.batch_max_seqs)
     executor = BatchExecutor(routes, window, metrics.on_result)
-    runner = BatchRunner(
-        db, executor, app.state.client.served_model_name, settings.max_request_bytes
-    )
+    runner = BatchRunner(db, executor, model, settings.max_request_bytes)
     metrics.store = runner.store
     app.state.batch_runner = runner
     runner.start()
+
+
+async def serve_line(
+    state: Any, endpoint: str, index: int, custom_id: str, body: str
+) -> LineResult | None:
+    """One line a batch coordinator sent to this app's engine (`convoy serve --replicas`),
+    counted in its batch metrics; None when the engine is unavailable (run it elsewhere)."""
+    line = InputLine(index, index + 1, custom_id, body)
+    try:
+        result = await run_line(local_routes(state)[endpoint], line)
+    except EngineUnavailableError:
+        return None
+    state.batch_metrics.on_result(result)
+    return result
 
 
 def _runner(request: Request) -> BatchRunner:

@@ -1,0 +1,71 @@
+"""The batch coordinator's line runner under `convoy serve --replicas`: each line on an engine
+replica, through a Serve handle (Serve's router picks the replica).
+
+    BatchExecutor --RemoteLines(line)--> ConvoyReplica.run_batch_line (run_line, batch priority)
+      None (that engine is dead or stopping) | a replica gone (Ray, Serve errors)
+        --> the same line again after a capped backoff, on whichever replica Serve picks
+
+The retries have no limit of their own: the batch's expiry and its cancel end them. A line's
+result is committed once, by the coordinator's ledger, however often it was tried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ray import serve
+from ray.exceptions import RayError, RayTaskError
+from ray.serve.exceptions import RayServeException
+
+from convoy.api.batch.executor import LineResult, failed_result
+from convoy.api.batch.lines import InputLine
+from convoy.cluster.ray_setup import brief
+
+logger = logging.getLogger(__name__)
+
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 4.0  # a replaced replica loads its engine in seconds; poll no slower than this
+LOG_EVERY_S = 10.0  # one warning per this many seconds however many lines wait
+
+
+class RemoteLines:
+    """A LineRunner for one endpoint over the `deployment` of Serve application `app_name`."""
+
+    def __init__(self, deployment: str, app_name: str, endpoint: str) -> None:
+        self.deployment, self.app_name, self.endpoint = deployment, app_name, endpoint
+        self._handle: Any = None
+        self._logged_at = 0.0
+
+    def handle(self) -> Any:
+        if self._handle is None:  # fetched lazily: inside the coordinator's replica, once up
+            self._handle = serve.get_deployment_handle(self.deployment, app_name=self.app_name)
+        return self._handle
+
+    async def __call__(self, line: InputLine) -> LineResult:
+        delay = RETRY_FIRST_S
+        while True:
+            why = "its engine is unavailable"
+            try:
+                result: LineResult | None = await self.handle().run_batch_line.remote(
+                    self.endpoint, line.index, line.custom_id, line.body
+                )
+            except RayTaskError as e:  # a bug in the replica's code: that line's 500
+                return failed_result(line, e)
+            except (RayError, RayServeException) as e:  # the replica died or is unreachable
+                result, why = None, f"{type(e).__name__}: {brief(e)}"
+            if result is not None:
+                return result
+            self._warn(line, why)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+
+    def _warn(self, line: InputLine, why: str) -> None:
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY_S:
+            self._logged_at = now
+            logger.warning(
+                "batch line %s did not run on a replica (%s): retrying it", line.custom_id, why
+            )
