@@ -393,6 +393,19 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// The weights of one decode step stream from memory once (every layer's, in a model larger than
+// the caches), in short bursts: one linear's panels split over the threads, ~100-500 KB each. The
+// hardware prefetcher ramps up too slowly for such bursts; asking for the block kPrefetchBlocks
+// ahead moved SmolLM2's 120 decode linears (66 MB, 2 threads) from 8.3 to 7.2 ms (median, AVX2
+// EPYC host), Gemma's from 8.6 to 7.8. Panels of a thread's range are contiguous, so a prefetch
+// past a panel's end is the next panel's start; past the buffer it is harmless (no fault).
+constexpr int64_t kPrefetchBlocks = 10;
+template <int64_t BSZ>
+inline void prefetch_ahead(const uint8_t* blk) {
+  for (int64_t o = 0; o < BSZ; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBlocks * BSZ + o), _MM_HINT_T0);
+}
+
 // NOTE: each activation row keeps two integer accumulators per panel (low and high nibbles, or the
 // two 16-weight halves), summed after the block: dpbusd has a latency of several cycles, and one
 // chain per row left the kernel latency-bound. Integer sums are exact, so the split changes no
@@ -405,6 +418,7 @@ void panel_q4(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
 #endif
   for (int64_t b = 0; b < nb; ++b) {
     __m256i isum[P][2][MR];
+    for (int p = 0; p < P; ++p) prefetch_ahead<160>(wg[p] + b * 160);
     for (int p = 0; p < P; ++p)
       for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
@@ -458,6 +472,7 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
 #endif
   for (int64_t b = 0; b < nb; ++b) {
     __m256i isum[P][2][MR];
+    for (int p = 0; p < P; ++p) prefetch_ahead<bsz>(wg[p] + b * bsz);
     for (int p = 0; p < P; ++p)
       for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
     for (int k = 0; k < 4; ++k)
