@@ -18,6 +18,9 @@ measured 5-8x faster than torch's bf16 and on par with oneDNN fp32 (106-136 GFLO
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -232,6 +235,45 @@ def use_quantized(model: nn.Module, weights: dict[str, QuantParts]) -> int:
             setattr(parent, attr, QuantLinear.from_parts(parts, old.in_features, old.bias))
             count += 1
     return count
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_SLICE_ALIGN = 64
+
+
+def gather_in_huge_pages(model: nn.Module) -> int:
+    """Move every QuantLinear's panels into one buffer that the kernel may back with 2 MiB pages
+    (`madvise(MADV_HUGEPAGE)`, Linux; transparent huge pages are often "madvise" only); returns
+    its bytes, 0 where nothing moved.
+
+    A decode step streams all the weights once, a few hundred KB a linear: with 4 KiB pages every
+    4 KiB is a TLB miss on top of the DRAM latency. Each module's panels are copied in and freed
+    at once, so the load holds at most one module's panels twice.
+    """
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    sizes = [(m.packed.numel() + _SLICE_ALIGN - 1) // _SLICE_ALIGN * _SLICE_ALIGN for m in linears]
+    total = sum(sizes)
+    if not sys.platform.startswith("linux") or total < HUGE_PAGE:
+        return 0
+    arena = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # untouched: not yet in RAM
+    base = arena.data_ptr()
+    start = (base + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE - base
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        length = (total + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+        libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):  # no libc to ask: ordinary pages, same results
+        pass
+    offset = start
+    for module, size in zip(linears, sizes, strict=True):
+        old = module.packed
+        new = arena[offset : offset + old.numel()].view(old.shape)
+        new.copy_(old)
+        module.packed = new
+        offset += size
+        del old
+    return total
 
 
 Q4_1, Q8_0 = 3, 8  # GGML type ids of the blocks bf16/fp32 weights are quantized into at load

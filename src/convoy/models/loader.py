@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from convoy.config import ConfigError
-from convoy.kernels.linear import QuantLinear, use_quantized
+from convoy.kernels.linear import QuantLinear, gather_in_huge_pages, use_quantized
 from convoy.model_config import ModelConfig
 from convoy.models.gguf_convert import (
     ModelLoadError,
@@ -263,6 +263,7 @@ def _load_quantized(
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ModelLoadError(f"{resolved.weights_path}: no weights for {left[:5]}")
+    gather_in_huge_pages(model)
     _release_free_memory()
     return model.eval()
 

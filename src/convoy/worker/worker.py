@@ -9,7 +9,13 @@ import torch
 
 from convoy import kernels
 from convoy.config import ConfigError, EngineConfig
-from convoy.kernels.linear import QuantLinear, linear_packing, pack_linears, quantize_linears
+from convoy.kernels.linear import (
+    QuantLinear,
+    gather_in_huge_pages,
+    linear_packing,
+    pack_linears,
+    quantize_linears,
+)
 from convoy.kernels.ops import QUANT_TYPES
 from convoy.models.layers import CausalLM
 from convoy.models.loader import load_model, resolve_model
@@ -84,6 +90,7 @@ class Worker:
         self.model = load_model(resolved, self.dtype, self.device, quant_types)
         if self.quantization in ("int8", "int4"):
             quantize_linears(self.model, 8 if self.quantization == "int8" else 4)
+            gather_in_huge_pages(self.model)
         self.model_family: type[CausalLM] = type(self.model)
         self.quantized_linears = sum(isinstance(m, QuantLinear) for m in self.model.modules())
         self.packed_linears = 0
