@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
+import gguf
 import pytest
 import torch
 
@@ -28,9 +30,25 @@ def pair(request):
 
     resolved = resolve_model(request.param)
     ours = load_model(resolved, torch.float32, torch.device("cpu"))
-    ref = AutoModelForCausalLM.from_pretrained(
-        str(resolved.weights_path.parent), gguf_file=resolved.weights_path.name, dtype=torch.float32
-    ).eval()
+    # NOTE: transformers reads the GGUF's metadata twice (config, then weights), element by
+    # element through numpy: 40 s a read for Gemma's 262k-token vocabulary here. The second read
+    # gets the first's reader (read-only, the same file), so the reference is unchanged.
+    readers: dict[str, gguf.GGUFReader] = {}
+    real_reader = gguf.GGUFReader
+
+    def read_once(path: str, *args: Any, **kwargs: Any) -> gguf.GGUFReader:
+        key = repr((str(path), args, sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", read_once)
+        ref = AutoModelForCausalLM.from_pretrained(
+            str(resolved.weights_path.parent),
+            gguf_file=resolved.weights_path.name,
+            dtype=torch.float32,
+        ).eval()
     tok = Tokenizer(resolved.model_dir)
     return resolved, ours, ref, tok
 

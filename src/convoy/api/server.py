@@ -8,6 +8,7 @@ client --> RequestLog --> APIKey --> BodyLimit --> routes --> CompletionServing 
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.metadata
 import logging
 import time
@@ -96,6 +97,7 @@ def _lifespan(
             # Loading is slow and synchronous; a thread keeps the loop responsive meanwhile.
             engine = await asyncio.to_thread(AsyncEngine, settings.engine)
         await engine.start()
+        gc.freeze()  # start-up's objects (torch, the model) are permanent: see cli.main
         name = settings.served_model_name or engine.model_name
         limits = ServingLimits.of(settings)
         client = EngineClient(engine, name, limits)
