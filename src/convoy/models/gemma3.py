@@ -72,9 +72,9 @@ class Gemma3DecoderLayer(nn.Module):
         """As LlamaDecoderLayer: x = x + post_norm(attn(norm(x))); x = x + post_ff(mlp(pre_ff(x))),
         each residual add fused into the norm after it."""
         h, residual = self.input_layernorm.add_forward(delta, residual)
-        o = self.post_attention_layernorm(self.self_attn(h, positions, meta))
+        o = self.post_attention_layernorm.forward(self.self_attn.forward(h, positions, meta))
         h, residual = self.pre_feedforward_layernorm.add_forward(o, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        return self.post_feedforward_layernorm.forward(self.mlp.forward(h)), residual
 
 
 class Gemma3Model(nn.Module):

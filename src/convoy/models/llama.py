@@ -51,23 +51,23 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         if self.native:  # q, k rotated in place; k, v written to the cache
             attn = self.attn
             cos, sin = self.rotary.tables(positions)
             kernels.rotary_cache(
                 q, k, v, positions, cos, sin, attn.k_cache, attn.v_cache, meta.slot_mapping
             )
-            o = attn(q, k, v, meta, cache_written=True)
+            o = attn.forward(q, k, v, meta, cache_written=True)
         else:
             q, k = self.rotary(positions, q, k)
-            o = self.attn(q, k, v, meta)
-        return self.o_proj(o.reshape(t, self.q_size))
+            o = self.attn.forward(q, k, v, meta)
+        return self.o_proj.forward(o.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -81,11 +81,11 @@ class LlamaMLP(nn.Module):
         self.act_id = native_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)
         if self.native and self.act_id is not None:
-            return self.down_proj(kernels.act_and_mul(gate_up, self.act_id))
+            return self.down_proj.forward(kernels.act_and_mul(gate_up, self.act_id))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj.forward(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -107,9 +107,9 @@ class LlamaDecoderLayer(nn.Module):
         x = x + attn(norm(x)); x = x + mlp(norm(x)), each add fused into the norm after it."""
         h, residual = self.input_layernorm.add_forward(delta, residual)
         h, residual = self.post_attention_layernorm.add_forward(
-            self.self_attn(h, positions, meta), residual
+            self.self_attn.forward(h, positions, meta), residual
         )
-        return self.mlp(h), residual
+        return self.mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):
