@@ -97,7 +97,11 @@ def _lifespan(
             # Loading is slow and synchronous; a thread keeps the loop responsive meanwhile.
             engine = await asyncio.to_thread(AsyncEngine, settings.engine)
         await engine.start()
-        gc.freeze()  # start-up's objects (torch, the model) are permanent: see cli.main
+        # Start-up's objects (torch, the model) are permanent: frozen, a full collection no
+        # longer walks them (0.3 s a pause with SmolLM2 loaded, on a 2-core host); garbage is
+        # collected first so that none of it is kept for good.
+        gc.collect()
+        gc.freeze()
         name = settings.served_model_name or engine.model_name
         limits = ServingLimits.of(settings)
         client = EngineClient(engine, name, limits)
