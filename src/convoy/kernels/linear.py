@@ -270,9 +270,8 @@ def gather_in_huge_pages(model: nn.Module) -> int:
         old = module.packed
         new = arena[offset : offset + old.numel()].view(old.shape)
         new.copy_(old)
-        module.packed = new
+        module.packed = new  # the old panels are freed by the next assignment to `old`
         offset += size
-        del old
     return total
 
 
