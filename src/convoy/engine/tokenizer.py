@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib
 import json
+import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from convoy.models.loader import cache_dir
+
+logger = logging.getLogger(__name__)
 
 # Normalizers that never make the text shorter than this factor: the Unicode compositions turn at
 # most 4 code points into one (e.g. U+1F86, alpha with three marks; max len(NFD(c)) is 4), doubled
@@ -29,9 +39,15 @@ class Tokenizer:
 
     def __init__(self, model_dir: Path, default_chat_template: str | None = None) -> None:
         """`default_chat_template`: the model family's, for files that carry none (base models)."""
-        from transformers import AutoTokenizer
+        memo_path = _memo_path(model_dir)
+        memo = _read_memo(memo_path)
+        cls = None if memo is None else _memo_class(memo)
+        if cls is not None:
+            self._tok: Any = cls.from_pretrained(str(model_dir))
+        else:
+            from transformers import AutoTokenizer
 
-        self._tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
+            self._tok = AutoTokenizer.from_pretrained(str(model_dir))
         self._backend: Any = self._tok.backend_tokenizer
         # What transformers' encode sets before each call (no truncation, no padding, special
         # tokens in the text kept whole), set once, before any other thread can see it.
@@ -43,7 +59,11 @@ class Tokenizer:
         self.chat_template: str | None = self._tok.chat_template or default_chat_template
         self.bos_token_id: int | None = self._tok.bos_token_id
         self.eos_token_id: int | None = self._tok.eos_token_id
-        self._max_chars_per_token = _max_chars_per_token(self._backend)
+        if cls is not None and memo is not None:
+            self._max_chars_per_token: int = memo["max_chars_per_token"]
+        else:
+            self._max_chars_per_token = _max_chars_per_token(self._backend)
+            _write_memo(memo_path, type(self._tok), self._max_chars_per_token)
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -99,6 +119,90 @@ class Tokenizer:
         except Exception as e:  # jinja errors, raise_exception() in templates
             raise TemplateError(f"chat template failed: {e}") from e
         return text
+
+
+# What a model folder's tokenizer load found, remembered per folder contents (see `_memo_path`):
+# AutoTokenizer's choice of class and the prompt-length bound. AutoTokenizer reads the model's
+# config through AutoConfig, whose import chain (torch.distributed, sympy) cost ~1.5 s of each
+# server start here, and the bound serializes and parses the whole tokenizer (3.3 s for Gemma 3's
+# 262k vocabulary). The class named by the memo is what AutoTokenizer returned for the same files
+# under the same library versions, so loading through it gives the same tokenizer.
+_MEMO_FORMAT = 1
+_WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".onnx"})
+_HASHED_FILE_BYTES = 256 << 20  # larger files (none a tokenizer reads) count by size and mtime
+
+
+def _memo_path(model_dir: Path) -> Path | None:
+    """The memo file for this folder as it is now: keyed by the library versions, the folder's
+    path (AutoTokenizer matches some checkpoint names) and every non-weight file in it (the
+    tokenizer files, config.json). None when the folder cannot be read."""
+    import tokenizers
+    import transformers
+
+    h = hashlib.sha256()
+    h.update(f"{_MEMO_FORMAT}|{transformers.__version__}|{tokenizers.__version__}".encode())
+    h.update(str(model_dir.resolve()).encode())
+    try:
+        for path in sorted(model_dir.iterdir()):
+            if not path.is_file() or path.suffix in _WEIGHT_SUFFIXES:
+                continue
+            st = path.stat()
+            h.update(f"\0{path.name}\0{st.st_size}\0".encode())
+            if st.st_size > _HASHED_FILE_BYTES:
+                h.update(str(st.st_mtime_ns).encode())
+            else:
+                h.update(path.read_bytes())
+    except OSError:
+        return None
+    return cache_dir() / "tokenizers" / f"{h.hexdigest()[:32]}.json"
+
+
+def _read_memo(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    try:
+        memo = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if (
+        not isinstance(memo, dict)
+        or not isinstance(memo.get("module"), str)
+        or not isinstance(memo.get("name"), str)
+        or type(memo.get("max_chars_per_token")) is not int
+    ):
+        return None
+    return memo
+
+
+def _memo_class(memo: dict[str, Any]) -> Any:
+    """The tokenizer class the memo names, or None (only transformers' own classes)."""
+    module = memo["module"]
+    if module != "transformers" and not module.startswith("transformers."):
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), memo["name"], None)
+    except ImportError:
+        return None
+    return cls if isinstance(cls, type) and hasattr(cls, "from_pretrained") else None
+
+
+def _write_memo(path: Path | None, cls: type, max_chars: int) -> None:
+    """Best effort: a cache that cannot be written costs the next start time, nothing else."""
+    if path is None or not cls.__module__.startswith("transformers."):
+        return
+    memo = {"module": cls.__module__, "name": cls.__qualname__, "max_chars_per_token": max_chars}
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(memo, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.debug("tokenizer memo not written (%s)", e)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _max_chars_per_token(backend: Any) -> int:
