@@ -12,8 +12,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from convoy.models.loader import cache_dir
-
 logger = logging.getLogger(__name__)
 
 # Normalizers that never make the text shorter than this factor: the Unicode compositions turn at
@@ -138,6 +136,8 @@ def _memo_path(model_dir: Path) -> Path | None:
     tokenizer files, config.json). None when the folder cannot be read."""
     import tokenizers
     import transformers
+
+    from convoy.models.loader import cache_dir  # here: it imports torch
 
     h = hashlib.sha256()
     h.update(f"{_MEMO_FORMAT}|{transformers.__version__}|{tokenizers.__version__}".encode())

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.numpy import fill_next_token_bitmask
@@ -101,6 +100,8 @@ class GrammarCompiler:
         """
         with self._lock:
             if self._tokenizer is None:
+                import llguidance.hf  # here: it imports transformers (~2 s)
+
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     self._hf, n_vocab=self.num_tokens, eos_token=self._eos
                 )
