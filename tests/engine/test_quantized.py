@@ -8,6 +8,7 @@ output must not depend on what else is in the batch.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -115,3 +116,56 @@ def test_gemma_mixed_block_types_run_quantized(cpu_kernels: None) -> None:
     del quant
     exact = _perplexity(LLM(model="gemma3-270m", dtype="float32"))
     assert abs(ppl_quant / exact - 1) < 0.01, (exact, ppl_quant)
+
+
+def test_fused_decode_layer_gives_the_bits_of_the_per_op_path(
+    quantized: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a decode step every Llama layer of the default mode runs as one kernel call
+    (csrc/decoder_layer.cpp); the same kernels in the same order as the per-op path, so the
+    same hidden states, bit for bit, at one sequence and at several."""
+    from convoy.models.llama import LlamaDecoderLayer
+
+    model = quantized.core.worker.runner.model
+    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    assert layers and all(layer.native and layer.fused_args() is not None for layer in layers)
+    steps: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+    forward = model.forward
+
+    def capture(ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        if meta.all_decode:
+            steps.append((ids.clone(), positions.clone(), meta))
+        return forward(ids, positions, meta)
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    model.forward = capture
+    try:
+        quantized.generate(prompts16()[:1], params)
+        quantized.generate(prompts16()[:5], params)
+    finally:
+        del model.forward
+    assert {int(ids.shape[0]) for ids, _, _ in steps} >= {1, 5}
+    from convoy.models import llama
+
+    calls = []
+    fused_layer = llama.kernels.llama_decode_layer
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return fused_layer(*args)
+
+    monkeypatch.setattr(llama.kernels, "llama_decode_layer", counted)
+    with torch.inference_mode():
+        for ids, positions, meta in steps:
+            # Re-running a step rewrites its K/V slots with the same values.
+            calls.clear()
+            fused = model(ids, positions, meta)
+            assert len(calls) == len(layers)
+            try:
+                for layer in layers:
+                    layer.native = False  # its sublayers keep their own native kernels
+                per_op = model(ids, positions, meta)
+            finally:
+                for layer in layers:
+                    layer.native = True
+            assert torch.equal(fused, per_op)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from convoy import kernels
+from convoy.kernels.linear import QuantLinear
 from convoy.model_config import ModelConfig
 from convoy.models.attention import Attention, AttentionMetadata
 from convoy.models.layers import (
@@ -89,12 +90,23 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    native = False  # a step of decode tokens by one csrc call, where the layer qualifies
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._fused: tuple[Any, ...] | None | bool = None  # fused_args(), False: not fused
+
+    def fused_args(self) -> tuple[Any, ...] | None:
+        """The weights `kernels.llama_decode_layer` takes, when this layer can run by it: every
+        linear quantized, fp32 norms, no q/k norm, an activation the kernels have; else None.
+        Computed once (the loader has placed the linears by the first step)."""
+        if self._fused is None:
+            self._fused = _fused_args(self) or False
+        return self._fused or None
 
     def forward(
         self,
@@ -105,11 +117,59 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(previous sublayer's output still to add, residual) -> this layer's (delta, residual):
         x = x + attn(norm(x)); x = x + mlp(norm(x)), each add fused into the norm after it."""
+        if (
+            self.native
+            and meta.all_decode
+            and meta.native_decode
+            and residual.dtype == torch.float32
+            and (args := self.fused_args()) is not None
+        ):
+            return self._fused_forward(args, delta, residual, positions, meta), residual
         h, residual = self.input_layernorm.add_forward(delta, residual)
         h, residual = self.post_attention_layernorm.add_forward(
             self.self_attn.forward(h, positions, meta), residual
         )
         return self.mlp.forward(h), residual
+
+    def _fused_forward(
+        self,
+        args: tuple[Any, ...],
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The decode step's layer by one kernel call: the same kernels, in the same order, as
+        the per-op path above with native kernels (the same bits)."""
+        attn = self.self_attn.attn
+        cos, sin = self.self_attn.rotary.tables(positions)
+        assert meta.decode_blocks is not None and meta.decode_lens is not None
+        return kernels.llama_decode_layer(
+            delta, residual, *args, positions, cos, sin, attn.k_cache, attn.v_cache,
+            meta.slot_mapping, meta.decode_blocks.view(residual.shape[0], -1), meta.decode_lens,
+            meta.block_size, attn.scale, attn.window or 0,
+        )  # fmt: skip
+
+
+def _fused_args(layer: LlamaDecoderLayer) -> tuple[Any, ...] | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if (
+        not all(isinstance(m, QuantLinear) for m in linears)
+        or any(m.bias is not None for m in linears[1:])
+        or attn.q_norm is not None
+        or mlp.act_id is None
+        or any(n.weight.dtype != torch.float32 or n.offset != 0.0 for n in norms)
+        or norms[0].eps != norms[1].eps
+    ):
+        return None
+    return (
+        norms[0].weight, norms[1].weight, norms[0].eps,
+        tuple((m.packed, m.panel_kind) for m in linears), attn.qkv_proj.bias,
+        (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.gate_up_proj.out_features // 2),
+        mlp.act_id,
+    )  # fmt: skip
 
 
 class LlamaModel(nn.Module):

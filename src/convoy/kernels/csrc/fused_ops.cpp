@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -396,6 +397,22 @@ at::Tensor act_and_mul(const at::Tensor& x, int64_t act) {
 }
 
 }  // namespace
+
+namespace convoy {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
+  return ::rms_norm(x, weight, eps, offset);
+}
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps, double offset) {
+  return ::add_rms_norm(x, residual, weight, eps, offset);
+}
+void rotary_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                  at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  ::rotary_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping);
+}
+at::Tensor act_and_mul(const at::Tensor& x, int64_t act) { return ::act_and_mul(x, act); }
+}  // namespace convoy
 
 TORCH_LIBRARY_FRAGMENT(convoy, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor");

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -294,6 +295,15 @@ at::Tensor decode_attention(
 }
 
 }  // namespace
+
+namespace convoy {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& lens, int64_t block_size, double scale,
+                            int64_t window) {
+  return ::decode_attention(q, k_cache, v_cache, block_tables, lens, block_size, scale, window);
+}
+}  // namespace convoy
 
 TORCH_LIBRARY(convoy, m) {
   m.def(

@@ -39,6 +39,7 @@
 #include <cstring>
 #include <optional>
 #include <vector>
+#include "ops.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -656,6 +657,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
 }
 
 }  // namespace
+
+namespace convoy {
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  return ::quant_linear(x, packed, kind, N, bias);
+}
+}  // namespace convoy
 
 TORCH_LIBRARY_FRAGMENT(convoy, m) {
   m.def("quant_pack(Tensor blocks, int qtype, int kind, int K) -> Tensor");
