@@ -102,9 +102,12 @@ def test_hf_weights_quantized_at_load(cpu_kernels: None, llm: LLM, mode: str, to
     assert abs(quant / exact - 1) < tol, (exact, quant)
 
 
-def test_gemma_mixed_block_types_run_quantized(cpu_kernels: None) -> None:
+def test_gemma_mixed_block_types_run_quantized(
+    cpu_kernels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Gemma 3's GGUF mixes Q5_0, Q8_0, Q4_K and Q6_K (its fused qkv is Q5_0 + Q5_0 + Q8_0):
-    every linear runs quantized, within 1% of the dequantized path, batch invariant."""
+    every linear runs quantized, within 1% of the dequantized path, batch invariant; its fused
+    decode layers (q/k norms, four (1 + w) norms, GELU) give the bits of the per-op path."""
     quant = LLM(model="gemma3-270m", enable_prefix_caching=False)
     worker = quant.core.worker
     assert worker.quantized_linears == 4 * worker.model_config.num_layers + 1
@@ -112,6 +115,7 @@ def test_gemma_mixed_block_types_run_quantized(cpu_kernels: None) -> None:
     prompts = prompts16()[:4]
     alone = [quant.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert [o.outputs[0].token_ids for o in quant.generate(prompts, params)] == alone
+    _assert_fused_layers_equal_per_op(quant, monkeypatch)
     ppl_quant = _perplexity(quant)
     del quant
     exact = _perplexity(LLM(model="gemma3-270m", dtype="float32"))
@@ -121,14 +125,18 @@ def test_gemma_mixed_block_types_run_quantized(cpu_kernels: None) -> None:
 def test_fused_decode_layer_gives_the_bits_of_the_per_op_path(
     quantized: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At a decode step every Llama layer of the default mode runs as one kernel call
+    """At a decode step every layer of the default mode runs as one kernel call
     (csrc/decoder_layer.cpp); the same kernels in the same order as the per-op path, so the
-    same hidden states, bit for bit, at one sequence and at several."""
-    from convoy.models.llama import LlamaDecoderLayer
+    same hidden states, bit for bit, at one sequence and at several. (Gemma 3: below.)"""
+    _assert_fused_layers_equal_per_op(quantized, monkeypatch)
 
-    model = quantized.core.worker.runner.model
-    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
-    assert layers and all(layer.native and layer.fused_args() is not None for layer in layers)
+
+def _assert_fused_layers_equal_per_op(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    from convoy.models import llama
+
+    model = llm.core.worker.runner.model
+    layers = [m for m in model.modules() if isinstance(m, llama.FusedDecodeLayer)]
+    assert layers and all(layer.native and layer.fused_weights() is not None for layer in layers)
     steps: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
     forward = model.forward
 
@@ -140,21 +148,19 @@ def test_fused_decode_layer_gives_the_bits_of_the_per_op_path(
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     model.forward = capture
     try:
-        quantized.generate(prompts16()[:1], params)
-        quantized.generate(prompts16()[:5], params)
+        llm.generate(prompts16()[:1], params)
+        llm.generate(prompts16()[:5], params)
     finally:
         del model.forward
     assert {int(ids.shape[0]) for ids, _, _ in steps} >= {1, 5}
-    from convoy.models import llama
-
     calls = []
-    fused_layer = llama.kernels.llama_decode_layer
+    fused_layer = llama.kernels.decode_layer
 
     def counted(*args: Any) -> torch.Tensor:
         calls.append(1)
         return fused_layer(*args)
 
-    monkeypatch.setattr(llama.kernels, "llama_decode_layer", counted)
+    monkeypatch.setattr(llama.kernels, "decode_layer", counted)
     with torch.inference_mode():
         for ids, positions, meta in steps:
             # Re-running a step rewrites its K/V slots with the same values.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -129,16 +131,10 @@ def act_and_mul(x: torch.Tensor, act: int) -> torch.Tensor:
     return torch.ops.convoy.act_and_mul(x, act)
 
 
-def llama_decode_layer(
+def decode_layer(
     delta: torch.Tensor | None,
     residual: torch.Tensor,
-    in_norm: torch.Tensor,
-    post_norm: torch.Tensor,
-    eps: float,
-    linears: tuple[tuple[torch.Tensor, int], ...],
-    qkv_bias: torch.Tensor | None,
-    shape: tuple[int, int, int, int],
-    act: int,
+    weights: tuple[Any, ...],
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -151,15 +147,13 @@ def llama_decode_layer(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    """One Llama decoder layer over a step of decode tokens (csrc/decoder_layer.cpp): the same
-    kernels as the per-op path, in one call. `residual` (T, hidden) fp32 is updated in place;
-    returns the layer's output still to add. linears: (packed, panel kind) of qkv, o, gate_up and
-    down; shape: (H, Hkv, D, intermediate); the rest as `rotary_cache` and `decode_attention`."""
-    (qkv, qkv_kind), (o, o_kind), (gate_up, gate_up_kind), (down, down_kind) = linears
-    heads, kv_heads, head_dim, inter = shape
-    return torch.ops.convoy.llama_decode_layer(
-        delta, residual, in_norm, post_norm, eps, qkv, qkv_kind, qkv_bias, o, o_kind,
-        gate_up, gate_up_kind, down, down_kind, heads, kv_heads, head_dim, inter, act,
-        positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, lens, block_size,
-        scale, window,
+    """One decoder layer over a step of decode tokens (csrc/decoder_layer.cpp): the same kernels
+    as the per-op path, in one call. `residual` (T, hidden) fp32 is updated in place; returns the
+    layer's output still to add. weights: (eps, norm offset, in_norm, q_norm, k_norm,
+    attn_out_norm, ff_in_norm, ff_out_norm, qkv, qkv kind, qkv bias, o, o kind, gate_up,
+    gate_up kind, down, down kind, H, Hkv, D, intermediate, act), the optional ones None (see
+    models/llama.py `FusedDecodeLayer`); the rest as `rotary_cache` and `decode_attention`."""
+    return torch.ops.convoy.decode_layer(
+        delta, residual, *weights, positions, cos, sin, k_cache, v_cache, slot_mapping,
+        block_tables, lens, block_size, scale, window,
     )  # fmt: skip

@@ -15,7 +15,7 @@ from torch import nn
 from convoy.model_config import ModelConfig
 from convoy.models.attention import AttentionMetadata
 from convoy.models.layers import CausalLM, RMSNorm, RotaryEmbedding, token_embedding
-from convoy.models.llama import LlamaAttention, LlamaMLP
+from convoy.models.llama import FusedDecodeLayer, LlamaAttention, LlamaMLP
 
 # Gemma 3 in llama.cpp: rope base of the sliding layers and the sliding/global layer pattern.
 GGUF_LOCAL_ROPE_BASE = 10000.0
@@ -52,7 +52,7 @@ class Gemma3Attention(LlamaAttention):
         self.attn.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(FusedDecodeLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ropes: dict[str, RotaryEmbedding]) -> None:
         super().__init__()
         self.self_attn = Gemma3Attention(cfg, layer_idx, ropes)
@@ -61,6 +61,12 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+
+    def norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm, RMSNorm | None]:
+        return (
+            self.input_layernorm, self.post_attention_layernorm,
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -71,6 +77,9 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer: x = x + post_norm(attn(norm(x))); x = x + post_ff(mlp(pre_ff(x))),
         each residual add fused into the norm after it."""
+        fused = self.fused_forward(delta, residual, positions, meta)
+        if fused is not None:
+            return fused, residual
         h, residual = self.input_layernorm.add_forward(delta, residual)
         o = self.post_attention_layernorm.forward(self.self_attn.forward(h, positions, meta))
         h, residual = self.pre_feedforward_layernorm.add_forward(o, residual)

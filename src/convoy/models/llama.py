@@ -89,24 +89,92 @@ class LlamaMLP(nn.Module):
         return self.down_proj.forward(self.act(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
-    native = False  # a step of decode tokens by one csrc call, where the layer qualifies
+class FusedDecodeLayer(nn.Module):
+    """A decoder layer that runs a step of decode tokens by one csrc call (kernels.decode_layer)
+    where it qualifies: every linear quantized, fp32 norms of one eps, an activation the kernels
+    have. The call runs the same kernels in the same order as the family's per-op forward with
+    native kernels, so the same bits (tests/engine/test_quantized.py)."""
 
+    native = False  # CausalLM.use_native_kernels
+    self_attn: LlamaAttention
+    mlp: LlamaMLP
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fused: tuple[Any, ...] | bool | None = None  # fused_weights(); False: not fused
+
+    def norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm, RMSNorm | None]:
+        """(in_norm, attn_out_norm, ff_in_norm, ff_out_norm) in the order of decoder_layer.cpp."""
+        raise NotImplementedError
+
+    def fused_weights(self) -> tuple[Any, ...] | None:
+        """The layer's arguments of kernels.decode_layer, or None when it does not qualify.
+        Computed once (the loader has placed the linears by the first step)."""
+        if self._fused is None:
+            self._fused = _fused_weights(self) or False
+        return self._fused or None
+
+    def fused_forward(
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """This step's layer output (still to add; `residual` updated in place) by one kernel
+        call, or None where the step or the layer does not qualify."""
+        if not (self.native and meta.all_decode and meta.native_decode):
+            return None
+        weights = self.fused_weights()
+        if weights is None or residual.dtype != torch.float32:
+            return None
+        attn = self.self_attn.attn
+        cos, sin = self.self_attn.rotary.tables(positions)
+        assert meta.decode_blocks is not None and meta.decode_lens is not None
+        return kernels.decode_layer(
+            delta, residual, weights, positions, cos, sin, attn.k_cache, attn.v_cache,
+            meta.slot_mapping, meta.decode_blocks.view(residual.shape[0], -1), meta.decode_lens,
+            meta.block_size, attn.scale, attn.window or 0,
+        )  # fmt: skip
+
+
+def _fused_weights(layer: FusedDecodeLayer) -> tuple[Any, ...] | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = layer.norms()
+    all_norms = [n for n in (*norms, attn.q_norm, attn.k_norm) if n is not None]
+    if (
+        not all(isinstance(m, QuantLinear) for m in linears)
+        or any(m.bias is not None for m in linears[1:])
+        or mlp.act_id is None
+        or any(n.weight.dtype != torch.float32 for n in all_norms)
+        or len({(n.eps, n.offset) for n in all_norms}) != 1
+    ):
+        return None
+    in_norm, attn_out, ff_in, ff_out = norms
+    packed = [(m.packed, m.panel_kind) for m in linears]  # type: ignore[union-attr]
+    return (
+        in_norm.eps, in_norm.offset, in_norm.weight,
+        None if attn.q_norm is None else attn.q_norm.weight,
+        None if attn.k_norm is None else attn.k_norm.weight,
+        None if attn_out is None else attn_out.weight, ff_in.weight,
+        None if ff_out is None else ff_out.weight,
+        *packed[0], attn.qkv_proj.bias, *packed[1], *packed[2], *packed[3],
+        attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.gate_up_proj.out_features // 2,
+        mlp.act_id,
+    )  # fmt: skip
+
+
+class LlamaDecoderLayer(FusedDecodeLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self._fused: tuple[Any, ...] | None | bool = None  # fused_args(), False: not fused
 
-    def fused_args(self) -> tuple[Any, ...] | None:
-        """The weights `kernels.llama_decode_layer` takes, when this layer can run by it: every
-        linear quantized, fp32 norms, no q/k norm, an activation the kernels have; else None.
-        Computed once (the loader has placed the linears by the first step)."""
-        if self._fused is None:
-            self._fused = _fused_args(self) or False
-        return self._fused or None
+    def norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm, RMSNorm | None]:
+        return self.input_layernorm, None, self.post_attention_layernorm, None
 
     def forward(
         self,
@@ -117,59 +185,14 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(previous sublayer's output still to add, residual) -> this layer's (delta, residual):
         x = x + attn(norm(x)); x = x + mlp(norm(x)), each add fused into the norm after it."""
-        if (
-            self.native
-            and meta.all_decode
-            and meta.native_decode
-            and residual.dtype == torch.float32
-            and (args := self.fused_args()) is not None
-        ):
-            return self._fused_forward(args, delta, residual, positions, meta), residual
+        fused = self.fused_forward(delta, residual, positions, meta)
+        if fused is not None:
+            return fused, residual
         h, residual = self.input_layernorm.add_forward(delta, residual)
         h, residual = self.post_attention_layernorm.add_forward(
             self.self_attn.forward(h, positions, meta), residual
         )
         return self.mlp.forward(h), residual
-
-    def _fused_forward(
-        self,
-        args: tuple[Any, ...],
-        delta: torch.Tensor | None,
-        residual: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The decode step's layer by one kernel call: the same kernels, in the same order, as
-        the per-op path above with native kernels (the same bits)."""
-        attn = self.self_attn.attn
-        cos, sin = self.self_attn.rotary.tables(positions)
-        assert meta.decode_blocks is not None and meta.decode_lens is not None
-        return kernels.llama_decode_layer(
-            delta, residual, *args, positions, cos, sin, attn.k_cache, attn.v_cache,
-            meta.slot_mapping, meta.decode_blocks.view(residual.shape[0], -1), meta.decode_lens,
-            meta.block_size, attn.scale, attn.window or 0,
-        )  # fmt: skip
-
-
-def _fused_args(layer: LlamaDecoderLayer) -> tuple[Any, ...] | None:
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if (
-        not all(isinstance(m, QuantLinear) for m in linears)
-        or any(m.bias is not None for m in linears[1:])
-        or attn.q_norm is not None
-        or mlp.act_id is None
-        or any(n.weight.dtype != torch.float32 or n.offset != 0.0 for n in norms)
-        or norms[0].eps != norms[1].eps
-    ):
-        return None
-    return (
-        norms[0].weight, norms[1].weight, norms[0].eps,
-        tuple((m.packed, m.panel_kind) for m in linears), attn.qkv_proj.bias,
-        (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.gate_up_proj.out_features // 2),
-        mlp.act_id,
-    )  # fmt: skip
 
 
 class LlamaModel(nn.Module):
