@@ -97,3 +97,54 @@ def test_tiny_gemma_parity_with_window_tiles(
     greedy tokens still come out."""
     monkeypatch.setattr(attention, "_WINDOW_TILE", 4)
     _check_parity("gemma3", tmp_path, native=False)
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_tiny_fused_decode_layers_give_the_per_op_bits(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linears quantized at load (int8), native kernels: each decode step's layer runs as one
+    csrc call (kernels.decode_layer) and gives the same logits and tokens, bit for bit, as the
+    per-op path: Qwen2's qkv bias, Qwen3's q/k norms, Gemma 3's (1 + w) norms and windows."""
+    from convoy import kernels
+    from convoy.kernels.linear import quantize_linears
+    from convoy.models import llama
+
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_config(_config(kind), attn_implementation="eager")
+    ref.save_pretrained(tmp_path)
+    resolved = resolve_model(str(tmp_path))
+    model = load_model(resolved, torch.float32, torch.device("cpu"))
+    assert quantize_linears(model, 8) > 0
+    layers = [m for m in model.modules() if isinstance(m, llama.FusedDecodeLayer)]
+    assert layers and all(layer.fused_weights() is not None for layer in layers)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (3, 9, 17)]
+    calls = []
+    decode_layer = kernels.decode_layer
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return decode_layer(*args)  # type: ignore[arg-type]
+
+    logits: list[torch.Tensor] = []  # every compute_logits call: the prefill's, each step's
+    compute_logits = model.compute_logits
+
+    def recorded(hidden: torch.Tensor) -> torch.Tensor:
+        logits.append(compute_logits(hidden))
+        return logits[-1]
+
+    monkeypatch.setattr(llama.kernels, "decode_layer", counted)
+    monkeypatch.setattr(model, "compute_logits", recorded)
+    fused = convoy_greedy(model, resolved.config, prompts, steps=12, native_decode=True)
+    assert len(calls) == 11 * len(layers)  # every decode step after the prefill
+    fused_logits, logits[:] = logits[:], []
+    monkeypatch.setattr(llama.FusedDecodeLayer, "fused_weights", lambda self: None)
+    per_op = convoy_greedy(model, resolved.config, prompts, steps=12, native_decode=True)
+    assert len(calls) == 11 * len(layers)
+    assert fused[1] == per_op[1]
+    assert len(fused_logits) == len(logits) > 11
+    assert all(torch.equal(a, b) for a, b in zip(fused_logits, logits, strict=True))
