@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update", "output", "step")
-FORWARD_KINDS = ("linears", "attention", "norms", "rotary", "activation", "other")
+FORWARD_KINDS = (
+    "fused layers", "linears", "attention", "norms", "rotary", "activation", "other",
+)  # fmt: skip
 
 # Scopes of the model parts, by module class name (whichever of them exist in this tree).
 _SCOPE_CLASSES = {
@@ -45,6 +47,8 @@ _SCOPE_PREFIX = "convoy_scope::"
 def _op_kind(name: str) -> str | None:
     """The kind of an op by its own name, where it says it; else None (use the scope)."""
     n = name.lower()
+    if "decode_layer" in n:  # a whole decoder layer in one call (csrc/decoder_layer.cpp)
+        return "fused layers"
     if any(s in n for s in ("quant_linear", "bf16_linear", "mkldnn", "aten::linear", "addmm")):
         return "linears"
     if "decode_attention" in n or "scaled_dot_product" in n:
