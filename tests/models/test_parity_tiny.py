@@ -133,9 +133,10 @@ def test_tiny_fused_decode_layers_give_the_per_op_bits(
     logits: list[torch.Tensor] = []  # every compute_logits call: the prefill's, each step's
     compute_logits = model.compute_logits
 
-    def recorded(hidden: torch.Tensor) -> torch.Tensor:
-        logits.append(compute_logits(hidden))
-        return logits[-1]
+    def recorded(hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        result = compute_logits(hidden, out=out)
+        logits.append(result.clone())  # `out` is the runner's buffer, reused the next step
+        return result
 
     monkeypatch.setattr(llama.kernels, "decode_layer", counted)
     monkeypatch.setattr(model, "compute_logits", recorded)

@@ -141,6 +141,20 @@ def test_bias_and_leading_dims() -> None:
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
+def test_forward_into_a_reused_buffer() -> None:
+    blocks, _ = _blocks(45, 96, T.Q8_0, seed=7)
+    layer = QuantLinear(blocks, int(T.Q8_0), 96, torch.linspace(-1, 1, 45))
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(8))
+    buf = torch.full((9, 45), float("nan"))
+    for m in (9, 4, 1):  # a prefix of the same buffer, step after step
+        out = layer.forward_into(x[:m], buf[:m])
+        assert out.data_ptr() == buf.data_ptr()
+        assert torch.equal(out, layer(x[:m]))
+    for bad in (torch.empty(9, 44), torch.empty(45, 9).T, torch.empty(9, 45, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="out must be"):
+            layer.forward_into(x, bad)
+
+
 def test_rejects_what_it_cannot_run() -> None:
     blocks, _ = _blocks(16, 64, T.Q8_0, seed=2)
     with pytest.raises(ValueError, match="bytes do not hold"):

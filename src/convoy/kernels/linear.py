@@ -37,6 +37,7 @@ from convoy.kernels.ops import (
     QUANT_TYPES,
     quant_dequant_rows,
     quant_linear,
+    quant_linear_out,
     quant_pack,
 )
 
@@ -200,6 +201,12 @@ class QuantLinear(_PrepackedLinear):
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         y = quant_linear(x.float(), self.packed, self.panel_kind, self.out_features, self.bias)
         return y.to(x.dtype)
+
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x (M, in_features) -> `out`, a contiguous (M, out_features) fp32 tensor; returns it."""
+        return quant_linear_out(
+            x.float(), self.packed, self.panel_kind, self.out_features, self.bias, out
+        )
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Weight rows `ids` (T,) int64, dequantized: (T, in_features) fp32 (an embedding lookup

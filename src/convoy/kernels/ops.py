@@ -77,6 +77,19 @@ def quant_linear(
     return torch.ops.convoy.quant_linear(x, packed, kind, out_features, bias)
 
 
+def quant_linear_out(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    kind: int,
+    out_features: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """`quant_linear` written into `out`, a contiguous (M, out_features) fp32 tensor; returns it."""
+    torch.ops.convoy.quant_linear_out(x, packed, kind, out_features, bias, out)
+    return out
+
+
 def quant_dequant_rows(
     packed: torch.Tensor, kind: int, in_features: int, ids: torch.Tensor
 ) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from convoy import kernels
+from convoy.kernels.linear import QuantLinear
 from convoy.model_config import ModelConfig
 from convoy.models.attention import AttentionMetadata
 
@@ -74,9 +75,13 @@ class CausalLM(nn.Module):
             if isinstance(getattr(type(module), "native", None), bool):
                 module.native = on  # type: ignore[assignment]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) rows that sample -> (N, vocab) fp32 logits."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, hidden) rows that sample -> (N, vocab) fp32 logits, written into `out` (a contiguous
+        (N, vocab) fp32 buffer the caller reuses) where the head can, else a new tensor."""
+        head = self.lm_head
+        if out is not None and isinstance(head, QuantLinear):
+            return head.forward_into(hidden, out)
+        return head(hidden).float()
 
     @classmethod
     def gguf_config(cls, arch: str, cfg: dict[str, Any], get: Callable[..., Any]) -> None:

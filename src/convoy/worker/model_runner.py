@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from convoy.kernels.linear import QuantLinear
 from convoy.models.attention import Attention, AttentionMetadata, PrefillSeq
 from convoy.models.layers import CausalLM
 from convoy.worker.batch import ScheduledSeq
@@ -15,7 +16,9 @@ from convoy.worker.kv_cache import KVCache
 
 @dataclass(slots=True)
 class RunnerOutput:
-    logits: torch.Tensor  # (N, vocab) fp32: one row per sequence with need_logits, in order
+    # (N, vocab) fp32: one row per sequence with need_logits, in order; with a quantized head, a
+    # view of the runner's buffer, valid until its next execute
+    logits: torch.Tensor
     # per scheduled seq: (k, hidden) final hidden states of the positions that score prompt
     # tokens, or None; their logits are computed by `ModelRunner.compute_logits` in slices
     prompt_hidden: list[torch.Tensor | None]
@@ -37,6 +40,9 @@ class ModelRunner:
             model.use_native_kernels(native_decode)
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        # the sampling rows' logits, reused step after step (a quantized head writes into it):
+        # Gemma 3's are 67 MB at 64 rows, and a fresh tensor that size costs ~30 ms of page faults
+        self._logits = torch.empty(0)
         self.device = device
         for module in model.modules():
             if isinstance(module, Attention):
@@ -62,7 +68,16 @@ class ModelRunner:
         prompt_hidden = [
             None if span is None else hidden[span[0] : span[1]] for span in prompt_spans
         ]
-        return RunnerOutput(logits=self.compute_logits(sampling), prompt_hidden=prompt_hidden)
+        return RunnerOutput(logits=self._sampling_logits(sampling), prompt_hidden=prompt_hidden)
+
+    def _sampling_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        if not (isinstance(model, CausalLM) and isinstance(model.lm_head, QuantLinear)):
+            return self.compute_logits(hidden)
+        n, vocab = hidden.shape[0], model.lm_head.out_features
+        if self._logits.shape[0] < n or self._logits.shape[-1] != vocab:
+            self._logits = torch.empty(n, vocab, device=hidden.device)
+        return model.compute_logits(hidden, out=self._logits[:n])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -585,6 +586,7 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
 // Activation rows from which a tile runs two panels: below 32 a tile is still bound by the weight
 // stream, and two panels are two streams (Gemma head at 16 rows: 16.5 ms one panel, 20.2 two).
 constexpr int64_t kPairMinRows = 32;
+constexpr int64_t kChunksPerThread = 8;  // of a compute-bound linear's panels
 #ifdef CONVOY_VNNI
 constexpr int64_t kP = 2;  // weight panels per register tile
 #else
@@ -602,9 +604,9 @@ void run_tile(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock
   }
 }
 
-// x (M, K) fp32 @ panels (N rows) -> (M, N) fp32 (+ bias)
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
-                        const std::optional<at::Tensor>& bias) {
+// x (M, K) fp32 @ panels (N rows) (+ bias) -> out, (M, N) fp32 contiguous
+void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
+                       const std::optional<at::Tensor>& bias, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "packed: uint8 panels");
   const at::Tensor xc = x.contiguous();
@@ -614,8 +616,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
   const int64_t nb = K / QK;
   TORCH_CHECK(w.size(1) == nb * kind_block_bytes(kind), "panel size does not match K");
   TORCH_CHECK(N > (G - 1) * R && N <= G * R, "N does not match the panels");
-  at::Tensor out = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return out;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.is_contiguous() &&
+                  out.scalar_type() == at::kFloat,
+              "out must be a contiguous (M, N) fp32 tensor");
+  if (M == 0 || N == 0) return;
   std::vector<ActBlock> xq(static_cast<size_t>(M * nb));
   const float* xp = xc.data_ptr<float>();
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
@@ -626,15 +630,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
   float* op = out.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
     const int64_t m1 = std::min(M, m0 + kTileM);
-    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    // Two panels at once read two streams of weights. With few activation rows the weights
+    // stream from memory once (every layer's in a model larger than the caches) and two streams
+    // ran slower than one (Gemma's head at M=1: 9.8 vs 5.9 ms; SmolLM2's decode step at B=1-4
+    // 20-50% slower); with many rows the kernel is compute-bound and sharing each broadcast
+    // pays. The results are the same bits either way.
+    const bool many = m1 - m0 >= kPairMinRows;
+    const int64_t step = many ? kP : 1;
+    const auto panels = [&](int64_t g0, int64_t g1) {
       const ActBlock* rows[kMR];
       const uint8_t* wg[kP];
-      // Two panels at once read two streams of weights. With few activation rows the weights
-      // stream from memory once (every layer's in a model larger than the caches) and two streams
-      // ran slower than one (Gemma's head at M=1: 9.8 vs 5.9 ms; SmolLM2's decode step at B=1-4
-      // 20-50% slower); with many rows the kernel is compute-bound and sharing each broadcast
-      // pays. The results are the same bits either way.
-      const int64_t step = m1 - m0 >= kPairMinRows ? kP : 1;
       for (int64_t g = g0; g < g1; g += step) {
         const int64_t np = std::min(step, g1 - g);
         const int64_t lanes = std::min<int64_t>(R * np, N - g * R);
@@ -650,10 +655,41 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
           }
         }
       }
+    };
+    if (!many) {  // memory-bound: each thread streams one contiguous range of panels
+      at::parallel_for(0, G, 1, panels);
+      continue;
+    }
+    // Compute-bound: threads take chunks of panels from a shared counter, so a thread slowed by
+    // anything else on the host does not leave the other waiting at the end (Gemma's linears at
+    // 64 and 256 rows, A/B in one process on a noisy 2-core host: median GMAC/s 5-11% higher than
+    // a static half each; the head, 262144 outputs, 57 -> 64). Which thread runs a panel changes
+    // no result.
+    const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+    int64_t chunk = std::max<int64_t>(1, G / (nt * kChunksPerThread));
+    chunk = (chunk + kP - 1) / kP * kP;  // whole panel pairs
+    const int64_t nchunks = (G + chunk - 1) / chunk;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min(nt, nchunks), 1, [&](int64_t, int64_t) {
+      for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1))
+        panels(c * chunk, std::min(G, (c + 1) * chunk));
     });
   }
   if (bias.has_value() && bias->defined()) out.add_(*bias);
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  at::Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, N}, x.options());
+  quant_linear_into(x, packed, kind, N, bias, out);
   return out;
+}
+
+// into a caller's buffer: the engine's logits, (rows, vocab) each step, are 67 MB for Gemma 3 at
+// 64 rows; a fresh tensor of that size is a fresh mmap whose page faults and zeroing cost ~30 ms.
+void quant_linear_out(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
+                      const std::optional<at::Tensor>& bias, at::Tensor out) {
+  quant_linear_into(x, packed, kind, N, bias, out);
 }
 
 }  // namespace
@@ -669,10 +705,14 @@ TORCH_LIBRARY_FRAGMENT(convoy, m) {
   m.def("quant_pack(Tensor blocks, int qtype, int kind, int K) -> Tensor");
   m.def("quant_dequant_rows(Tensor packed, int kind, int K, Tensor ids) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor packed, int kind, int N, Tensor? bias) -> Tensor");
+  m.def(
+      "quant_linear_out(Tensor x, Tensor packed, int kind, int N, Tensor? bias, Tensor(a!) out) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(convoy, CPU, m) {
   m.impl("quant_pack", &quant_pack);
   m.impl("quant_dequant_rows", &quant_dequant_rows);
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_out", &quant_linear_out);
 }
