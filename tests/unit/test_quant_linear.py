@@ -112,6 +112,22 @@ def test_batch_invariance_for_every_batch_size_up_to_300() -> None:
             assert torch.equal(layer(x[m - 1 : m]), full[m - 1 : m]), m
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1], ids=lambda t: t.name)
+def test_wide_outputs_in_many_chunks_are_the_bits_of_each_row_alone(qtype: T) -> None:
+    """>= 32 rows run compute-bound: panels handed out in chunks, outputs staged per thread in
+    groups of 32 panels; an odd last panel, several chunks per thread, two row tiles of 64."""
+    n, k = 8 * 700 + 5, 64
+    blocks, _ = _blocks(n, k, qtype, seed=11)
+    layer = QuantLinear(blocks, int(qtype), k, None)
+    rows = layer.dequantize_rows(torch.arange(n))
+    x = torch.randn(97, k, generator=torch.Generator().manual_seed(12))
+    full = _check(layer, x, rows)
+    for m in (96, 40, 33):
+        assert torch.equal(layer(x[:m]), full[:m]), m
+    for i in (0, 31, 63, 64, 96):  # alone: the memory-bound path, in place
+        assert torch.equal(layer(x[i : i + 1]), full[i : i + 1]), i
+
+
 def test_mixed_types_join_into_one_panel_kind() -> None:
     assert panel_kind([int(T.Q4_K), int(T.Q4_0)]) == QUANT_KIND_Q4
     assert panel_kind([int(T.Q5_0), int(T.Q8_0), int(T.Q6_K)]) == QUANT_KIND_Q8

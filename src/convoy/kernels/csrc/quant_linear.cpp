@@ -587,6 +587,7 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
 // stream, and two panels are two streams (Gemma head at 16 rows: 16.5 ms one panel, 20.2 two).
 constexpr int64_t kPairMinRows = 32;
 constexpr int64_t kChunksPerThread = 8;  // of a compute-bound linear's panels
+constexpr int64_t kStagePanels = 32;     // staged outputs: 64 rows x 256 columns, 64 KB
 #ifdef CONVOY_VNNI
 constexpr int64_t kP = 2;  // weight panels per register tile
 #else
@@ -637,7 +638,8 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
     // pays. The results are the same bits either way.
     const bool many = m1 - m0 >= kPairMinRows;
     const int64_t step = many ? kP : 1;
-    const auto panels = [&](int64_t g0, int64_t g1) {
+    // panels g0..g1 of rows m0..m1 -> dst (ld floats a row), whose first column is column col0
+    const auto panels = [&](int64_t g0, int64_t g1, float* dst, int64_t ld, int64_t col0) {
       const ActBlock* rows[kMR];
       const uint8_t* wg[kP];
       for (int64_t g = g0; g < g1; g += step) {
@@ -647,17 +649,17 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
         for (int64_t mi = m0; mi < m1; mi += kMR) {
           const int64_t cnt = std::min(kMR, m1 - mi);
           for (int64_t i = 0; i < cnt; ++i) rows[i] = xq.data() + (mi + i) * nb;
-          float* o = op + mi * N + g * R;
+          float* o = dst + (mi - m0) * ld + g * R - col0;
           if (np == kP) {
-            run_tile<kP>(kind, wg, nb, rows, cnt, o, N, lanes);
+            run_tile<kP>(kind, wg, nb, rows, cnt, o, ld, lanes);
           } else {
-            run_tile<1>(kind, wg, nb, rows, cnt, o, N, lanes);
+            run_tile<1>(kind, wg, nb, rows, cnt, o, ld, lanes);
           }
         }
       }
     };
     if (!many) {  // memory-bound: each thread streams one contiguous range of panels
-      at::parallel_for(0, G, 1, panels);
+      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels(g0, g1, op + m0 * N, N, 0); });
       continue;
     }
     // Compute-bound: threads take chunks of panels from a shared counter, so a thread slowed by
@@ -670,9 +672,24 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
     chunk = (chunk + kP - 1) / kP * kP;  // whole panel pairs
     const int64_t nchunks = (G + chunk - 1) / chunk;
     std::atomic<int64_t> next{0};
+    // NOTE: a register tile's 8 outputs of a row are half a cache line, and the rows of a wide
+    // output lie far apart (1 MB for Gemma's head): written in place, every tile store missed the
+    // caches (with a read for ownership). Each thread stages kStagePanels panels of all the tile's
+    // rows in a small buffer, then copies whole row segments out: Gemma's head at 64 and 256 rows
+    // 5% faster (A/B in one process, median 65.6 -> 69.3 GMAC/s; 15-20% in a microbenchmark of
+    // the tile loop alone), its layers 0-3%.
     at::parallel_for(0, std::min(nt, nchunks), 1, [&](int64_t, int64_t) {
-      for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1))
-        panels(c * chunk, std::min(G, (c + 1) * chunk));
+      std::vector<float> stage(static_cast<size_t>(kTileM * kStagePanels * R));
+      for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) {
+        const int64_t c1 = std::min(G, (c + 1) * chunk);
+        for (int64_t gs = c * chunk; gs < c1; gs += kStagePanels) {
+          const int64_t ge = std::min(c1, gs + kStagePanels), width = (ge - gs) * R;
+          panels(gs, ge, stage.data(), width, gs * R);
+          const int64_t cols = std::min(width, N - gs * R);
+          for (int64_t m = m0; m < m1; ++m)
+            std::memcpy(op + m * N + gs * R, stage.data() + (m - m0) * width, sizeof(float) * cols);
+        }
+      }
     });
   }
   if (bias.has_value() && bias->defined()) out.add_(*bias);
