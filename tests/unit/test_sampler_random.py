@@ -1,0 +1,121 @@
+"""The CPU sampler's random rows (worker/sampler.py, `_sample_random_cpu`): the tokens it draws
+follow softmax(logits / T) restricted by top-k (ties at the k-th value kept), top-p and min-p,
+computed here in float64 from the definitions; it never draws a token of zero weight, leaves the
+logits as they are, and a seeded row draws the same token alone and in any batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from convoy.sampling_params import SamplingParams
+from convoy.worker import sampler
+from convoy.worker.batch import SamplerRow
+from convoy.worker.sampler import sample
+
+V = 2500  # two whole search chunks of 1024 and a remainder
+DRAWS = 4000
+
+
+def _rows(params: SamplingParams, n: int, seed: int | None = None) -> list[SamplerRow]:
+    return [SamplerRow(params, seed, [1], [], [0], False) for _ in range(n)]
+
+
+def _expected(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution the parameters define, in float64, by sorting the whole vocabulary."""
+    x = logits.double() / p.temperature
+    keep = torch.isfinite(x)
+    if p.top_k > 0:
+        keep &= x >= x.sort(descending=True).values[p.top_k - 1]
+    probs = torch.softmax(x.masked_fill(~keep, float("-inf")), -1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs
+        nucleus = torch.zeros_like(keep)
+        nucleus[order[before < p.top_p]] = True
+        keep &= nucleus
+    probs = probs.masked_fill(~keep, 0.0)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def _drawn(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    torch.manual_seed(1234)
+    batch = logits.expand(DRAWS, V).contiguous()
+    before = batch.clone()
+    tokens = sample(batch, _rows(params, DRAWS)).token_ids
+    assert torch.equal(batch, before)  # the raw logits stay as they were (logprobs read them)
+    return torch.bincount(torch.tensor(tokens), minlength=V).double() / DRAWS
+
+
+def _logits(scale: float, seed: int) -> torch.Tensor:
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _tied_at_the_fifth() -> torch.Tensor:
+    x = _logits(1.0, 5)
+    top = x.sort(descending=True).indices
+    x[top[:4]] = torch.tensor([6.0, 5.5, 5.0, 4.5])
+    x[top[4:7]] = 4.0  # the 5th, 6th and 7th highest are equal: top_k=5 keeps all three
+    return x
+
+
+CASES = {
+    "temperature": (_logits(3.0, 1), SamplingParams(temperature=0.7)),
+    "top_k with ties": (_tied_at_the_fifth(), SamplingParams(temperature=1.0, top_k=5)),
+    "top_p within the candidates": (_logits(4.0, 2), SamplingParams(temperature=0.8, top_p=0.8)),
+    "top_p past the candidates": (_logits(0.5, 3), SamplingParams(temperature=1.0, top_p=0.95)),
+    "min_p": (_logits(3.0, 4), SamplingParams(temperature=1.0, min_p=0.2)),
+    "all three": (
+        _logits(2.0, 6),
+        SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_draws_follow_the_filtered_softmax(case: str) -> None:
+    logits, params = CASES[case]
+    want = _expected(logits, params)
+    got = _drawn(logits, params)
+    assert (got[want == 0] == 0).all(), "drew a token the filters drop"
+    _assert_same_mass_by_rank(got, want)
+
+
+def _assert_same_mass_by_rank(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Tokens by expected probability, highest first, cut into ~10 bins of equal expected mass:
+    each bin's drawn share is within 5 standard deviations of its expected share."""
+    order = want.sort(descending=True).indices
+    edges = torch.bucketize(want[order].cumsum(0), torch.linspace(0.1, 0.9, 9, dtype=want.dtype))
+    for b in edges.unique():
+        m = want[order[edges == b]].sum().item()
+        seen = got[order[edges == b]].sum().item()
+        assert abs(seen - m) <= 5 * (m * (1 - m) / DRAWS) ** 0.5 + 1e-9, (b.item(), seen, m)
+
+
+def test_the_nucleus_past_the_candidates_is_searched_beyond_them() -> None:
+    logits, params = CASES["top_p past the candidates"]
+    assert int((_expected(logits, params) > 0).sum()) > sampler._CANDIDATES
+
+
+def test_zero_weight_tokens_are_never_drawn_in_any_chunk() -> None:
+    x = torch.full((V,), float("-inf"))
+    finite = torch.tensor([3, 1023, 1024, 2047, 2048, 2499])  # chunk edges and the remainder
+    x[finite] = torch.tensor([0.0, 1.0, -1.0, 0.5, 2.0, -0.5])
+    params = SamplingParams(temperature=1.0)
+    got = _drawn(x, params)
+    assert set(torch.nonzero(got).squeeze(1).tolist()) == set(finite.tolist())
+    _assert_same_mass_by_rank(got, _expected(x, params))
+
+
+def test_a_seeded_row_draws_the_same_token_alone_and_in_a_batch() -> None:
+    logits = _logits(1.0, 7).expand(6, V).contiguous()
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)):
+        mixed = [*_rows(params, 2), *_rows(params, 1, seed=42), *_rows(params, 3)]
+        alone = sample(logits[:1], _rows(params, 1, seed=42)).token_ids
+        for _ in range(3):
+            assert sample(logits, mixed).token_ids[2] == alone[0]
+        later = SamplerRow(params, 42, [1], [9] * 5, [0], False)  # another output position
+        draws = {sample(logits[:1], [later]).token_ids[0] for _ in range(2)}
+        assert len(draws) == 1  # its own stream, seeded by (seed, position)
