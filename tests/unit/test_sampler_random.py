@@ -119,3 +119,10 @@ def test_a_seeded_row_draws_the_same_token_alone_and_in_a_batch() -> None:
         later = SamplerRow(params, 42, [1], [9] * 5, [0], False)  # another output position
         draws = {sample(logits[:1], [later]).token_ids[0] for _ in range(2)}
         assert len(draws) == 1  # its own stream, seeded by (seed, position)
+
+
+def test_nan_logits_still_give_a_token_id() -> None:
+    x = torch.full((2, V), float("nan"))
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)):
+        for token in sample(x, _rows(params, 2)).token_ids:
+            assert 0 <= token < V

@@ -321,6 +321,7 @@ def _sample_filtered(row: torch.Tensor, top_k: int, p: SamplingParams, u: float)
             keep = _nucleus(vals, total, p.top_p)
     if p.min_p > 0:  # sorted: the kept tokens are a prefix
         keep = min(keep, int((vals[:keep] >= p.min_p * vals[0]).sum()))
+    keep = max(keep, 1)  # the top token always stays (here even for NaN logits)
     c = vals[:keep].cumsum(0, dtype=torch.float64)
     at = int(torch.searchsorted(c, u * float(c[-1]), right=True))
     return int(ids[min(at, keep - 1)])
