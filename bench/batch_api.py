@@ -205,8 +205,11 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--grace", type=float, default=2.5, help="wait this long after HTTP traffic (throughput:"
-        " past the server's --batch-grace, so the batch runs alone)"
+        "--grace",
+        type=float,
+        default=2.5,
+        help="wait this long after HTTP traffic (throughput:"
+        " past the server's --batch-grace, so the batch runs alone)",
     )
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []

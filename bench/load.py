@@ -123,7 +123,9 @@ async def disconnect_phase(args: argparse.Namespace, url: str) -> Phase:
         f"{dropped}/{args.drop} streams dropped mid-way; KV blocks used after: {used:.0f}; "
         f"next request: {after.status_code}"
     )
-    return Phase("disconnect", dropped == args.drop and used == 0 and after.status_code == 200, detail)
+    return Phase(
+        "disconnect", dropped == args.drop and used == 0 and after.status_code == 200, detail
+    )
 
 
 async def queue_phase(args: argparse.Namespace, url: str) -> Phase:

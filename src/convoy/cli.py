@@ -28,7 +28,7 @@ from convoy.config import (
 )
 
 if TYPE_CHECKING:
-    from convoy.api.batch.offline import BatchSummary, OfflineJob
+    from convoy.batch.offline import BatchSummary, OfflineJob
 
 
 def _size(text: str) -> int:
@@ -315,7 +315,7 @@ def _serve(settings: ServerConfig) -> None:
 
 def _serve_replicas(args: argparse.Namespace, settings: ServerConfig) -> None:
     """`convoy serve --replicas N` / `--ray`: convoy.cluster, which imports Ray, only here."""
-    from convoy.api.batch.offline_state import JobError
+    from convoy.batch.offline_state import JobError
     from convoy.cluster import serve_replicas
 
     try:
@@ -334,7 +334,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _batch(args: argparse.Namespace, settings: ServerConfig) -> None:
-    from convoy.api.batch.offline import JobError, OfflineJob, run_batch
+    from convoy.batch.offline import JobError, OfflineJob, run_batch
 
     job = OfflineJob(args.input_file, args.output_file, args.error_file, settings)
     try:

@@ -252,7 +252,7 @@ class EngineConfig(_Config):
 
 @dataclass(slots=True)
 class ServerConfig(_Config):
-    """Everything `convoy serve` configures (convoy.api.server.ServerSettings is this class)."""
+    """Everything `convoy serve` configures."""
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on")

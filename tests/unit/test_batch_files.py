@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from convoy.api.batch import lines as lines_mod
-from convoy.api.batch.db import BatchDB, DataDirBusy, FileRow
-from convoy.api.batch.executor import LineResult
-from convoy.api.batch.ledger import PartFiles
-from convoy.api.batch.lines import InputLine, request_lines, validate
-from convoy.api.batch.store import BatchStore, Progress
+from convoy.batch import lines as lines_mod
+from convoy.batch.db import BatchDB, DataDirBusy, FileRow
+from convoy.batch.executor import LineResult
+from convoy.batch.ledger import PartFiles
+from convoy.batch.lines import InputLine, request_lines, validate
+from convoy.batch.store import BatchStore, Progress
 
 EP = "/v1/completions"
 

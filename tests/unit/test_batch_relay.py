@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Message
 
-from convoy.api.batch.relay import (
+from convoy.batch.relay import (
     CHUNK_BYTES,
     RelayedRequest,
     relay_app,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from convoy.api.batch.executor import LineResult
-from convoy.api.batch.lines import LineError
-from convoy.api.batch.offline_state import JobError
+from convoy.batch.executor import LineResult
+from convoy.batch.lines import LineError
+from convoy.batch.offline_state import JobError
 from convoy.cluster.engines import fake_line
 from convoy.cluster.parts import PartError, PartFolder, split_part
 from convoy.cluster.shards import ShardAnswer, decode_payload, plan_shards

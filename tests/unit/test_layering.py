@@ -5,10 +5,13 @@ Layers, lowest first (a module may import its own layer and the ones below it, n
     structured (imports no other layer)
     common (config, model_config, sampling_params, outputs: structured only)
     kernels (imports no other layer)
-    models -> worker -> engine -> api -> entry points (llm, cli, the package __init__)
-    cluster (`convoy batch --ray`, `convoy serve --replicas`): between api and the entry points;
-    only cli imports it, and it imports only api/batch (and api/server: the replicas' app),
-    common and kernels
+    models -> worker -> engine -> api -> batch -> app -> entry points (llm, cli, __init__)
+    api: wire types, serving objects, HTTP helpers; batch: the Batch API's job engine (it runs
+    lines through api's serving objects); app: api/server.py and api/routes/ (the HTTP app,
+    over api and batch)
+    cluster (`convoy batch --ray`, `convoy serve --replicas`): between app and the entry points;
+    only cli imports it, and it imports only batch (with api/protocol_batch's constants, and
+    api/server: the replicas' app), common and kernels
 
 Every file under src/convoy is classified (a new package or top-level module must be added
 here), every import counts (top level, inside functions, under TYPE_CHECKING), and the module
@@ -27,15 +30,16 @@ PKG = SRC / "convoy"
 
 COMMON = {"config", "model_config", "sampling_params", "outputs"}
 ENTRY = {"__init__", "llm", "cli"}
-PACKAGES = ["structured", "kernels", "models", "worker", "engine", "api", "cluster"]
+PACKAGES = ["structured", "kernels", "models", "worker", "engine", "api", "batch", "cluster"]
+APP = ("convoy.api.server", "convoy.api.routes")  # modules (and packages) of the app layer
 RANK = {
     "structured": 0, "common": 1, "kernels": 2, "models": 3, "worker": 4, "engine": 5, "api": 6,
-    "cluster": 7, "entry": 8,
+    "batch": 7, "app": 8, "cluster": 9, "entry": 10,
 }  # fmt: skip
 # Layers that may import only themselves and these (instead of the rank rule).
 ONLY = {
     "structured": set(), "common": {"structured"}, "kernels": set(),
-    "cluster": {"api", "common", "kernels"},
+    "cluster": {"api", "batch", "app", "common", "kernels"},
 }  # fmt: skip
 WEB = ("fastapi", "starlette", "pydantic", "uvicorn")
 
@@ -52,6 +56,8 @@ def module_files() -> dict[str, Path]:
 
 
 def layer_of(module: str) -> str:
+    if any(module == m or module.startswith(m + ".") for m in APP):
+        return "app"
     parts = module.split(".")
     name = parts[1] if len(parts) > 1 else "__init__"
     if len(parts) == 2 and name in COMMON:
@@ -127,6 +133,8 @@ def test_every_package_has_modules_and_every_module_is_classified() -> None:
     mods = module_files()
     for pkg in PACKAGES:
         assert any(m.startswith(f"convoy.{pkg}.") for m in mods), f"convoy.{pkg} has no modules"
+    for app in APP:
+        assert any(m == app or m.startswith(app + ".") for m in mods), f"{app}: no such module"
     for m in mods:
         layer_of(m)  # raises for anything the rules do not know
 
@@ -178,6 +186,19 @@ def test_cluster_is_imported_by_the_cli_alone_and_imports_the_batch_code_alone()
             ), src
             continue
         for dst in targets:
-            if layer_of(dst) == "api":
+            if layer_of(dst) == "app":
                 app = src == "convoy.cluster.serve" and dst == "convoy.api.server"
-                assert dst.startswith("convoy.api.batch.") or app, f"{src} imports {dst}"
+                assert app, f"{src} imports {dst}"
+            elif layer_of(dst) == "api":  # the batch wire types' constants only
+                assert dst == "convoy.api.protocol_batch", f"{src} imports {dst}"
+
+
+def test_the_batch_job_engine_lives_outside_api() -> None:
+    """api/ keeps wire types, serving and thin routes; what runs batches is convoy.batch, and
+    no module of api's lower layer (middleware included) imports the routes or the job engine."""
+    edges = graph(module_files())
+    for src, targets in edges.items():
+        if layer_of(src) == "api":
+            bad = [t for t in targets if layer_of(t) in ("batch", "app")]
+            assert bad == [], f"{src} imports {bad}"
+    assert not any(m.startswith("convoy.api.batch") for m in module_files())

@@ -16,7 +16,7 @@ HEAVY = ("torch", "transformers")
     "modules",
     [
         ["convoy", "convoy.cli"],
-        ["convoy.cluster.worker", "convoy.cluster.engines", "convoy.api.batch.offline"],
+        ["convoy.cluster.worker", "convoy.cluster.engines", "convoy.batch.offline"],
         ["convoy.structured.compiler", "convoy.api.tool_format"],
     ],
 )

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from convoy.api.batch.executor import LineResult
-from convoy.api.batch.ledger import PartFiles
-from convoy.api.batch.offline_state import JobError, StateFile
+from convoy.batch.executor import LineResult
+from convoy.batch.ledger import PartFiles
+from convoy.batch.offline_state import JobError, StateFile
 
 
 def _files(tmp_path: Path) -> tuple[Path, Path, Path]:

@@ -14,7 +14,8 @@ from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError
 from convoy.api.metrics import RequestRecord
 from convoy.api.protocol import ChatCompletionRequest, CompletionRequest, RequestModel
-from convoy.api.server import ServerSettings, build_app
+from convoy.api.server import build_app
+from convoy.config import ServerConfig
 from convoy.engine.request import EngineRequest
 from convoy.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -125,7 +126,7 @@ def test_sampling_params_hold_the_same_bounds(kwargs: dict[str, Any], param: str
 
 
 def test_openapi_schema_states_types_ranges_and_bounds() -> None:
-    schemas = build_app(ServerSettings()).openapi()["components"]["schemas"]
+    schemas = build_app(ServerConfig()).openapi()["components"]["schemas"]
     props = schemas["CompletionRequest"]["properties"]
 
     def non_null(name: str) -> dict[str, Any]:

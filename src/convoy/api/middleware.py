@@ -16,15 +16,12 @@ from typing import Any
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from convoy.api.batch.files import FILES_PATH
 from convoy.api.errors import APIError, BodyTooLarge, error_body_bytes
 from convoy.api.metrics import RequestRecord, ServerMetrics
 
 logger = logging.getLogger("convoy.api.access")
 
 PUBLIC_PATHS = frozenset({"/health"})
-# Routes that hold their bodies to their own limit (uploads: --max-file-bytes), as they stream.
-SELF_LIMITED = frozenset({("POST", FILES_PATH)})
 
 
 async def send_error(send: Send, err: APIError) -> None:
@@ -122,19 +119,24 @@ class APIKeyMiddleware:
 class BodyLimitMiddleware:
     """413 for bodies over the limit: by Content-Length up front, else while reading (chunked
     bodies too); 408 for a body that sends nothing for `read_timeout` seconds (a slow client
-    must not hold a connection and its request forever). The SELF_LIMITED routes get the 408
-    but not this limit."""
+    must not hold a connection and its request forever). The `self_limited` (method, path)
+    routes hold their bodies to their own limit as they stream (uploads: --max-file-bytes):
+    they get the 408 but not this limit."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, read_timeout: float | None = None,
+        self_limited: frozenset[tuple[str, str]] = frozenset(),
+    ) -> None:  # fmt: skip
         self.app = app
         self.max_bytes = max_bytes
         self.read_timeout = read_timeout
+        self.self_limited = self_limited
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        is_limited = (scope["method"], scope["path"]) not in SELF_LIMITED
+        is_limited = (scope["method"], scope["path"]) not in self.self_limited
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if is_limited and declared.isdigit() and int(declared) > self.max_bytes:
             await send_error(send, APIError(413, BodyTooLarge(self.max_bytes).detail))

@@ -23,16 +23,6 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from convoy.api.batch.db import BatchDB, DataDirBusy, default_data_dir
-from convoy.api.batch.executor import LineRunner
-from convoy.api.batch.files import add_file_routes
-from convoy.api.batch.routes import (
-    BatchMetrics,
-    add_batch_routes,
-    batch_window,
-    local_routes,
-    start_batches,
-)
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError, install_error_handlers
 from convoy.api.metrics import RequestRecord, ServerMetrics
@@ -44,6 +34,7 @@ from convoy.api.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
+from convoy.api.protocol_batch import UPLOAD_ROUTES
 from convoy.api.protocol_info import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -52,10 +43,15 @@ from convoy.api.protocol_info import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from convoy.api.routes.batches import add_batch_routes
+from convoy.api.routes.files import add_file_routes
 from convoy.api.serving_base import off_loop
 from convoy.api.serving_chat import ChatServing, chat_text
 from convoy.api.serving_completion import CompletionServing
 from convoy.api.sse import sse_response
+from convoy.batch.db import BatchDB, DataDirBusy, default_data_dir
+from convoy.batch.executor import LineRunner
+from convoy.batch.service import BatchMetrics, lines_in_flight, local_routes, start_batches
 from convoy.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -80,11 +76,10 @@ _SCHEMA_REF = "#/components/schemas/{model}"
 
 # Everything `convoy serve` configures: `.engine` (an EngineConfig) plus the server's own fields.
 # Defined (defaults, CLI help) in config.py; the CLI builds it, tests and benchmarks may too.
-ServerSettings = ServerConfig
 
 
 def _lifespan(
-    settings: ServerSettings, engine: AsyncEngine | None, metrics: ServerMetrics,
+    settings: ServerConfig, engine: AsyncEngine | None, metrics: ServerMetrics,
     batch_metrics: BatchMetrics, has_store: bool,
 ) -> Any:  # fmt: skip
     @asynccontextmanager
@@ -111,7 +106,7 @@ def _lifespan(
         app.state.created = int(time.time())
         app.state.batch_db = _open_data_dir(settings) if has_store else None
         start_batches(
-            app, settings, batch_metrics, local_routes(app.state), name, batch_window(settings)
+            app, settings, batch_metrics, local_routes(app.state), name, lines_in_flight(settings)
         )
         logger.info("serving %s (max_model_len %d)", name, engine.max_model_len)
         try:
@@ -127,7 +122,7 @@ def _lifespan(
     return lifespan
 
 
-def _open_data_dir(settings: ServerSettings) -> BatchDB | None:
+def _open_data_dir(settings: ServerConfig) -> BatchDB | None:
     """The Batch API's data folder; None (those routes answer 503) when another server holds it."""
     root = Path(settings.data_dir) if settings.data_dir else default_data_dir()
     try:
@@ -138,7 +133,7 @@ def _open_data_dir(settings: ServerSettings) -> BatchDB | None:
 
 
 def build_app(
-    settings: ServerSettings, engine: AsyncEngine | None = None, replica: str | None = None
+    settings: ServerConfig, engine: AsyncEngine | None = None, replica: str | None = None
 ) -> FastAPI:
     """The server app. The lifespan creates the engine from `settings` unless one is given.
 
@@ -170,13 +165,14 @@ def build_app(
 
 
 def _add_middleware(
-    app: FastAPI, settings: ServerSettings, metrics: ServerMetrics, headers: dict[str, str] | None
+    app: FastAPI, settings: ServerConfig, metrics: ServerMetrics, headers: dict[str, str] | None
 ) -> None:
     # Added innermost first: the request log wraps everything, so 401 and 413 are logged too.
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_request_bytes,
         read_timeout=settings.request_body_timeout,
+        self_limited=UPLOAD_ROUTES,
     )
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -184,7 +180,7 @@ def _add_middleware(
 
 
 def build_batch_app(
-    settings: ServerSettings, routes: dict[str, LineRunner], model: str, window: int
+    settings: ServerConfig, routes: dict[str, LineRunner], model: str, window: int
 ) -> FastAPI:
     """The Batch API alone, with no engine: /v1/files and /v1/batches over the data folder,
     each line run by `routes` (`convoy serve --replicas`: on the engine replicas), `window`

@@ -12,7 +12,7 @@
 Ray is imported by driver.py and serve.py alone, once `run_cluster_batch` or `serve_replicas`
 runs: without Ray the rest of Convoy does not change, and `--ray` / `--replicas` are refused with
 the install command. Only `convoy.cli` imports this package; it imports the Batch API's offline
-parts (api/batch), the server app (api/server, for the replicas), config and (to build them
+parts (convoy.batch), the server app (api/server, for the replicas), config and (to build them
 once) the kernels.
 """
 
@@ -22,8 +22,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from convoy.api.batch.offline import BatchSummary
-from convoy.api.batch.offline_state import JobError
+from convoy.batch.offline import BatchSummary
+from convoy.batch.offline_state import JobError
 from convoy.cluster.options import ClusterJob, check_place, is_local
 from convoy.config import ServerConfig
 

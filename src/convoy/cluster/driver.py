@@ -23,8 +23,8 @@ import ray
 import ray.data
 from ray.util.annotations import RayDeprecationWarning
 
-from convoy.api.batch.offline import BatchSummary, check_paths
-from convoy.api.batch.offline_state import JobError
+from convoy.batch.offline import BatchSummary, check_paths
+from convoy.batch.offline_state import JobError
 from convoy.cluster.options import ClusterJob
 from convoy.cluster.parts import PartFolder
 from convoy.cluster.ray_setup import (

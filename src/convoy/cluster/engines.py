@@ -2,7 +2,7 @@
 
     ShardEngine.run_shard(lines) -> LineResults   (several shards at once on one engine)
 
-`ServingShardEngine` is `convoy batch`'s in-process serving (api/batch/inprocess.py): the
+`ServingShardEngine` is `convoy batch`'s in-process serving (batch/inprocess.py): the
 shard's lines are prepared as `convoy batch` prepares them and run through one BatchExecutor
 shared by every shard in flight on the actor, so its continuous batch stays full.
 
@@ -22,11 +22,11 @@ import json
 from collections.abc import Callable
 from typing import Protocol
 
-from convoy.api.batch.executor import LineResult
-from convoy.api.batch.inprocess import InProcessServing, run_endpoints
-from convoy.api.batch.lines import InputLine
-from convoy.api.batch.offline_lines import ScannedLine, prepare
-from convoy.api.batch.offline_state import JobError
+from convoy.batch.executor import LineResult
+from convoy.batch.inprocess import InProcessServing, run_endpoints
+from convoy.batch.lines import InputLine
+from convoy.batch.offline_lines import ScannedLine, prepare
+from convoy.batch.offline_state import JobError
 
 OnResult = Callable[[LineResult], None]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from convoy.api.batch.offline import OfflineJob
-from convoy.api.batch.offline_state import JobError
+from convoy.batch.offline import OfflineJob
+from convoy.batch.offline_state import JobError
 from convoy.cluster.engines import parse_fake_engine
 
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from convoy.api.batch.db import fsync_dir
-from convoy.api.batch.offline_state import STATE_SUFFIX, JobError
+from convoy.batch.db import fsync_dir
+from convoy.batch.offline_state import STATE_SUFFIX, JobError
 from convoy.cluster.shards import Shard
 
 PARTS_SUFFIX = ".convoy-shards"  # OUT.jsonl.convoy-shards/: the part files' folder

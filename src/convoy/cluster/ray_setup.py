@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from convoy.api.batch.offline_state import JobError
+from convoy.batch.offline_state import JobError
 from convoy.cluster.options import is_local, local_cpus
 from convoy.config import ServerConfig
 

@@ -20,8 +20,8 @@ from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import RayServeException
 
-from convoy.api.batch.executor import LineResult, failed_result
-from convoy.api.batch.lines import InputLine
+from convoy.batch.executor import LineResult, failed_result
+from convoy.batch.lines import InputLine
 from convoy.cluster.ray_setup import brief
 
 logger = logging.getLogger(__name__)

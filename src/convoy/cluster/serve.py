@@ -9,7 +9,7 @@ the Batch API's one store in one coordinator. Serve routes by the longest prefix
                     SQLite, the BatchRunner; pinned to this node, so --data-dir is this
                     machine's); each batch line --RemoteLines--> ConvoyReplica.run_batch_line
       /v1/batches   app "convoy-batches": BatchForwarder x 1 --handle, streamed--> coordinator
-                    (api/batch/relay.py: the request as plain data, the answer as ASGI messages)
+                    (batch/relay.py: the request as plain data, the answer as ASGI messages)
 
 One store, never one per replica (which would run a batch twice). A line whose replica's engine
 is gone, or whose replica died, runs again on another (remote_lines.py); the ledger commits it
@@ -34,13 +34,13 @@ from typing import Any
 import ray
 from ray import serve
 
-from convoy.api.batch.db import default_data_dir
-from convoy.api.batch.executor import LineResult, LineRunner
-from convoy.api.batch.offline_state import JobError
-from convoy.api.batch.protocol import ENDPOINTS
-from convoy.api.batch.relay import RelayedRequest, relay_app, root_path_free, run_relayed
-from convoy.api.batch.routes import batch_window, serve_line
+from convoy.api.protocol_batch import ENDPOINTS
 from convoy.api.server import build_app, build_batch_app
+from convoy.batch.db import default_data_dir
+from convoy.batch.executor import LineResult, LineRunner
+from convoy.batch.offline_state import JobError
+from convoy.batch.relay import RelayedRequest, relay_app, root_path_free, run_relayed
+from convoy.batch.service import lines_in_flight, serve_line
 from convoy.cluster.options import is_local
 from convoy.cluster.ray_setup import (
     brief,
@@ -113,7 +113,7 @@ class BatchCoordinator:
         routes: dict[str, LineRunner] = {
             endpoint: RemoteLines(REPLICA, APP_NAME, endpoint) for endpoint in ENDPOINTS
         }
-        window = batch_window(self.settings, self.num_replicas)
+        window = lines_in_flight(self.settings, self.num_replicas)
         self.batch_app = build_batch_app(self.settings, routes, self.model, window)
         return root_path_free(self.batch_app)  # the ingress of /v1/files: full paths
 
@@ -177,7 +177,7 @@ def _deploy(settings: ServerConfig, replicas: int, cpus: float) -> None:
         # Each replica's own queue cap answers 429; Serve's router must not queue before it.
         # Batch lines from the coordinator count here too (outside the engine's queue cap):
         # room for the whole window on top, so they never hold interactive requests back.
-        max_ongoing_requests=settings.max_queue_seqs + batch_window(settings, replicas),
+        max_ongoing_requests=settings.max_queue_seqs + lines_in_flight(settings, replicas),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
         ray_actor_options={

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convoy.api.batch.executor import LineResult
-from convoy.api.batch.lines import LineError
-from convoy.api.batch.offline_lines import ScannedLine, scan
+from convoy.batch.executor import LineResult
+from convoy.batch.lines import LineError
+from convoy.batch.offline_lines import ScannedLine, scan
 
 _FINGERPRINT_CHARS = 16  # of the input's SHA-256, in every shard id
 

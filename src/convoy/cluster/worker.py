@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from convoy.api.batch.inprocess import EngineStopped, open_serving
-from convoy.api.batch.offline_state import JobError
+from convoy.batch.inprocess import EngineStopped, open_serving
+from convoy.batch.offline_state import JobError
 from convoy.cluster.engines import FakeShardEngine, ServingShardEngine, ShardEngine
 from convoy.cluster.shards import ShardAnswer, decode_payload
 from convoy.config import ServerConfig

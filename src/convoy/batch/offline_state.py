@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from convoy.api.batch.executor import LineResult
+from convoy.batch.executor import LineResult
 
 STATE_SUFFIX = ".convoy-state"
 STATE_VERSION = 1

@@ -25,13 +25,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from convoy.api.batch.db import fsync_dir
-from convoy.api.batch.executor import LineResult
-from convoy.api.batch.inprocess import EngineStopped, open_serving, run_endpoints
-from convoy.api.batch.ledger import PartFiles
-from convoy.api.batch.lines import InputLine
-from convoy.api.batch.offline_lines import prepare, scan
-from convoy.api.batch.offline_state import STATE_SUFFIX, JobError, StateFile
+from convoy.batch.db import fsync_dir
+from convoy.batch.executor import LineResult
+from convoy.batch.inprocess import EngineStopped, open_serving, run_endpoints
+from convoy.batch.ledger import PartFiles
+from convoy.batch.lines import InputLine
+from convoy.batch.offline_lines import prepare, scan
+from convoy.batch.offline_state import STATE_SUFFIX, JobError, StateFile
 from convoy.config import ServerConfig
 
 __all__ = ["STATE_SUFFIX", "BatchSummary", "JobError", "OfflineJob", "check_paths", "run_batch"]

@@ -22,9 +22,9 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from convoy.api.batch.lines import InputLine, LineError
 from convoy.api.errors import from_exception, validation_error
 from convoy.api.serving_base import ServingBase
+from convoy.batch.lines import InputLine, LineError
 from convoy.engine.errors import EngineUnavailableError
 from convoy.engine.request import Priority
 

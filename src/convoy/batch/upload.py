@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, BinaryIO
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from convoy.api.batch.db import BatchDB, FileRow, fsync_dir
 from convoy.api.errors import APIError
+from convoy.batch.db import BatchDB, FileRow, fsync_dir
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks

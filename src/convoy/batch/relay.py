@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from convoy.api.errors import APIError, install_error_handlers
 from convoy.api.middleware import BodyLimitMiddleware
+from convoy.api.protocol_batch import UPLOAD_ROUTES
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,10 @@ def relay_app(forward: Forward, max_body_bytes: int, read_timeout: float | None)
     it stalls), goes to `forward`; the answer's messages are sent back as they come."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, read_timeout=read_timeout)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=max_body_bytes, read_timeout=read_timeout,
+        self_limited=UPLOAD_ROUTES,
+    )  # fmt: skip
 
     @app.api_route("/{path:path}", methods=_METHODS, include_in_schema=False)
     async def relay(request: Request) -> Response:

@@ -1,6 +1,5 @@
-"""/v1/files: uploads streamed to disk (upload.py), listed, read back and deleted.
-
-Shapes as the official `openai` client's FileObject, FileDeleted and cursor page. Every database
+"""/v1/files routes: uploads streamed to disk (convoy/batch/upload.py), listed, read back and
+deleted (convoy/batch/files.py); wire types in api/protocol_batch.py. Every database
 call and every disk read or write runs in a worker thread: a commit fsyncs, and the database
 mutex may be held by a batch committing its lines, so the event loop never waits on either.
 """
@@ -8,63 +7,24 @@ mutex may be held by a batch committing its lines, so the event loop never waits
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import AsyncIterator
 from typing import Any, BinaryIO, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 
-from convoy.api.batch.db import BatchDB, FileRow
-from convoy.api.batch.upload import MAX_FORM_OVERHEAD, PURPOSES, Upload, file_too_large
 from convoy.api.errors import APIError
-from convoy.api.protocol import ErrorResponse, OpenAIModel
+from convoy.api.protocol import ErrorResponse
+from convoy.api.protocol_batch import FILES_PATH, FileDeleted, FileList, FileObject
+from convoy.batch import files as store
+from convoy.batch.db import BatchDB, FileRow
+from convoy.batch.upload import MAX_FORM_OVERHEAD, PURPOSES, Upload, file_too_large
 from convoy.config import ServerConfig
 
-FILES_PATH = "/v1/files"
 MAX_LIST_LIMIT = 10_000
 CHUNK_BYTES = 1 << 20  # upload and download granularity: one worker-thread hop per MiB
-_COLUMNS = "id, bytes, created_at, filename, purpose"
 # Purposes whose files are JSONL by contract; others are sent as opaque bytes.
 _JSONL_PURPOSES = frozenset({"batch", "batch_output"})
-
-
-class FileObject(OpenAIModel):
-    id: str
-    object: Literal["file"] = "file"
-    bytes: int
-    created_at: int
-    filename: str
-    purpose: str
-    status: Literal["uploaded", "processed", "error"] = "processed"
-    expires_at: int | None = None
-    status_details: str | None = None
-
-    @classmethod
-    def of(cls, row: FileRow) -> FileObject:
-        return cls(
-            id=row.id,
-            bytes=row.bytes,
-            created_at=row.created_at,
-            filename=row.filename,
-            purpose=row.purpose,
-        )
-
-
-class FileList(OpenAIModel):
-    """A cursor page: the client asks for the next one with `after=last_id` while `has_more`."""
-
-    object: Literal["list"] = "list"
-    data: list[FileObject]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-
-
-class FileDeleted(OpenAIModel):
-    id: str
-    object: Literal["file"] = "file"
-    deleted: bool
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -109,7 +69,7 @@ def add_file_routes(app: FastAPI, settings: ServerConfig) -> None:
     @app.post(FILES_PATH, **_UPLOAD_DOCS)
     async def create_file(request: Request) -> FileObject:
         row = await _receive_upload(request, db_of(request), settings.max_file_bytes)
-        return FileObject.of(row)
+        return _file_object(row)
 
     @app.get(FILES_PATH, responses=_errors(400, 503))
     async def list_files(
@@ -120,16 +80,18 @@ def add_file_routes(app: FastAPI, settings: ServerConfig) -> None:
         after: str | None = None,
     ) -> FileList:
         db = db_of(request)
-        rows = await asyncio.to_thread(db.read, lambda c: _page(c, purpose, limit, order, after))
+        rows = await asyncio.to_thread(
+            db.read, lambda c: store.page(c, purpose, limit, order, after)
+        )
         if rows is None:
             raise APIError(400, f"after: no file with id {after!r}", param="after")
-        data = [FileObject.of(FileRow(*row)) for row in rows[:limit]]
+        data = [_file_object(FileRow(*row)) for row in rows[:limit]]
         first_id, last_id = (data[0].id, data[-1].id) if data else (None, None)
         return FileList(data=data, first_id=first_id, last_id=last_id, has_more=len(rows) > limit)
 
     @app.get(FILES_PATH + "/{file_id}", responses=_errors(404, 503))
     async def retrieve_file(request: Request, file_id: str) -> FileObject:
-        return FileObject.of(await _get(db_of(request), file_id))
+        return _file_object(await _get(db_of(request), file_id))
 
     @app.get(
         FILES_PATH + "/{file_id}/content",
@@ -154,7 +116,7 @@ def add_file_routes(app: FastAPI, settings: ServerConfig) -> None:
     async def delete_file(request: Request, file_id: str) -> FileDeleted:
         db = db_of(request)
         await _get(db, file_id)
-        deleted = await asyncio.to_thread(_delete, db, file_id)
+        deleted = await asyncio.to_thread(store.delete, db, file_id)
         if deleted is None:
             message = f"file {file_id} is the input of a batch in progress; cancel the batch first"
             raise APIError(409, message, param="id", code="file_in_use")
@@ -192,26 +154,11 @@ async def _receive_upload(request: Request, db: BatchDB, max_file_bytes: int) ->
         await asyncio.to_thread(upload.discard)
 
 
-def _page(
-    conn: sqlite3.Connection, purpose: str | None, limit: int, order: str, after: str | None
-) -> list[Any] | None:
-    """Up to limit + 1 rows after the cursor (one more tells `has_more`); None: unknown cursor."""
-    where: list[str] = []
-    args: list[Any] = []
-    if after is not None:
-        cursor = conn.execute("SELECT seq FROM files WHERE id = ?", (after,)).fetchone()
-        if cursor is None:
-            return None
-        where.append("seq < ?" if order == "desc" else "seq > ?")
-        args.append(cursor[0])
-    if purpose is not None:
-        where.append("purpose = ?")
-        args.append(purpose)
-    sql = f"SELECT {_COLUMNS} FROM files"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += f" ORDER BY seq {'DESC' if order == 'desc' else 'ASC'} LIMIT ?"
-    return conn.execute(sql, (*args, limit + 1)).fetchall()
+def _file_object(row: FileRow) -> FileObject:
+    return FileObject(
+        id=row.id, bytes=row.bytes, created_at=row.created_at, filename=row.filename,
+        purpose=row.purpose,
+    )  # fmt: skip
 
 
 def _not_found(file_id: str) -> APIError:
@@ -223,21 +170,6 @@ async def _get(db: BatchDB, file_id: str) -> FileRow:
     if row is None:
         raise _not_found(file_id)
     return row
-
-
-def _delete(db: BatchDB, file_id: str) -> bool | None:
-    """Delete the row, then the bytes (a crash in between leaves only an orphan file).
-
-    None (nothing deleted) when a batch in progress uses the file: checked in the same
-    transaction, so a batch created meanwhile cannot lose its input.
-    """
-    with db.transaction() as conn:
-        if db.file_in_use(file_id, conn):
-            return None
-        num_deleted = conn.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
-    if num_deleted:
-        db.file_path(file_id).unlink(missing_ok=True)
-    return num_deleted > 0
 
 
 async def _read_chunks(f: BinaryIO) -> AsyncIterator[bytes]:

@@ -24,11 +24,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from convoy.api.batch.db import BatchDB, FileRow, fsync_dir
-from convoy.api.batch.executor import BatchExecutor, LineResult, line_error_result
-from convoy.api.batch.ledger import StoreLedger
-from convoy.api.batch.lines import InputLine, LineError, request_lines, validate
-from convoy.api.batch.store import BatchStore
+from convoy.batch.db import BatchDB, FileRow, fsync_dir
+from convoy.batch.executor import BatchExecutor, LineResult, line_error_result
+from convoy.batch.ledger import StoreLedger
+from convoy.batch.lines import InputLine, LineError, request_lines, validate
+from convoy.batch.store import BatchStore
 from convoy.engine.errors import EngineUnavailableError
 
 logger = logging.getLogger(__name__)

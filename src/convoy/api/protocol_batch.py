@@ -107,3 +107,37 @@ class BatchList(OpenAIModel):
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False
+
+
+# /v1/files: shapes as the official `openai` client's FileObject, FileDeleted and cursor page.
+FILES_PATH = "/v1/files"
+# Routes that hold their bodies to their own limit as they stream (--max-file-bytes).
+UPLOAD_ROUTES = frozenset({("POST", FILES_PATH)})
+
+
+class FileObject(OpenAIModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(OpenAIModel):
+    """A cursor page: the client asks for the next one with `after=last_id` while `has_more`."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(OpenAIModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool

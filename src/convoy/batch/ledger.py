@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from convoy.api.batch.executor import LineResult
-from convoy.api.batch.store import BatchStore, Progress
+from convoy.batch.executor import LineResult
+from convoy.batch.store import BatchStore, Progress
 
 
 class PartFiles:

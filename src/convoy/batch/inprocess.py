@@ -13,15 +13,15 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
-from convoy.api.batch.executor import BatchExecutor, Ledger, LineResult, Route
-from convoy.api.batch.lines import InputLine
-from convoy.api.batch.offline_state import JobError
-from convoy.api.batch.protocol import ENDPOINTS
-from convoy.api.batch.routes import WINDOW_PER_SEQ
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.protocol import ChatCompletionRequest, CompletionRequest
+from convoy.api.protocol_batch import ENDPOINTS
 from convoy.api.serving_chat import ChatServing
 from convoy.api.serving_completion import CompletionServing
+from convoy.batch.executor import BatchExecutor, Ledger, LineResult, Route
+from convoy.batch.lines import InputLine
+from convoy.batch.offline_state import JobError
+from convoy.batch.service import WINDOW_PER_SEQ
 from convoy.config import ServerConfig
 from convoy.engine.errors import EngineUnavailableError
 

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from convoy.api.batch.executor import LineResult, line_error_result
-from convoy.api.batch.lines import InputLine, LineError, check_line, load_line, raw_lines
-from convoy.api.batch.protocol import ENDPOINTS
+from convoy.api.protocol_batch import ENDPOINTS
+from convoy.batch.executor import LineResult, line_error_result
+from convoy.batch.lines import InputLine, LineError, check_line, load_line, raw_lines
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convoy.api.batch.protocol import BatchError
+from convoy.api.protocol_batch import BatchError
 
 MAX_BATCH_LINES = 50_000  # OpenAI's limit of requests per batch
 MAX_REPORTED_ERRORS = 100  # a failed batch lists at most this many

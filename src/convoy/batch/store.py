@@ -13,8 +13,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from convoy.api.batch.db import BatchDB, FileRow
-from convoy.api.batch.protocol import (
+from convoy.api.protocol_batch import (
     Batch,
     BatchError,
     BatchErrors,
@@ -22,6 +21,7 @@ from convoy.api.batch.protocol import (
     BatchUsage,
     InputTokensDetails,
 )
+from convoy.batch.db import BatchDB, FileRow
 
 _STAMPS = {
     "in_progress": "in_progress_at", "finalizing": "finalizing_at", "completed": "completed_at",

@@ -1,0 +1,49 @@
+"""The file store's queries behind /v1/files (no HTTP): a cursor page of files, a delete that a
+batch in progress holds back. Blocking (SQLite, unlink): the routes run them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from convoy.batch.db import BatchDB
+
+_COLUMNS = "id, bytes, created_at, filename, purpose"
+
+
+def page(
+    conn: sqlite3.Connection, purpose: str | None, limit: int, order: str, after: str | None
+) -> list[Any] | None:
+    """Up to limit + 1 rows after the cursor (one more tells `has_more`); None: unknown cursor."""
+    where: list[str] = []
+    args: list[Any] = []
+    if after is not None:
+        cursor = conn.execute("SELECT seq FROM files WHERE id = ?", (after,)).fetchone()
+        if cursor is None:
+            return None
+        where.append("seq < ?" if order == "desc" else "seq > ?")
+        args.append(cursor[0])
+    if purpose is not None:
+        where.append("purpose = ?")
+        args.append(purpose)
+    sql = f"SELECT {_COLUMNS} FROM files"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += f" ORDER BY seq {'DESC' if order == 'desc' else 'ASC'} LIMIT ?"
+    return conn.execute(sql, (*args, limit + 1)).fetchall()
+
+
+def delete(db: BatchDB, file_id: str) -> bool | None:
+    """Delete the row, then the bytes (a crash in between leaves only an orphan file).
+
+    None (nothing deleted) when a batch in progress uses the file: checked in the same
+    transaction, so a batch created meanwhile cannot lose its input.
+    """
+    with db.transaction() as conn:
+        if db.file_in_use(file_id, conn):
+            return None
+        num_deleted = conn.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
+    if num_deleted:
+        db.file_path(file_id).unlink(missing_ok=True)
+    return num_deleted > 0
