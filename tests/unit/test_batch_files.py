@@ -4,6 +4,7 @@ status moves, and the input file's one-pass validation."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,7 @@ def test_store_moves_are_compare_and_set(tmp_path: Path) -> None:
     assert store.done_lines(batch.id) == {0, 2}
     got = store.get(batch.id)
     assert got is not None and got.request_counts.completed == 1 and got.usage.output_tokens == 5
-    assert got.in_progress_at is not None and store.pending_lines() == 1
+    assert got.in_progress_at is not None and store.refresh_pending() == 1
     assert store.move(batch.id, "cancelling", ["in_progress"])
     assert db.file_in_use(file_id)  # still, until the cancel has ended
     assert store.move(batch.id, "cancelled", ["cancelling"])
@@ -107,3 +108,56 @@ def test_too_many_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert total == 5 and [(e.line, e.code) for e in errors] == [
         (4, "too_many_requests"), (5, "too_many_requests"),
     ]  # fmt: skip
+
+
+LINE_CASES = [
+    b'{"a": 1, "body": {"x": [1, 2, {"y": "z"}]}, "body": {"q": 2}}', b"  {}  ", b"{ }",
+    b"[1,2]", b'"s"', b'{"a":1,}', b'{"a" 1}', b'{"a":1} x', b'{"a":1', b"{", b"", b"{",
+    b'\n{"body":{"m":"\\u00e9"}}\n', b'{"a":{"b":1}}}', b'{"a":1}{}', b'{"\xff":1}',
+    b'{"a":NaN}', b'{ "body" :  {"k": 1} , "x": 2 }', b'\xef\xbb\xbf{"a":1}', b'{"a":1,',
+    b"[1] 2", b'{"a":1 "b":2}', b'{"body": "text"}', b'{"body": [1, {"a": "}"}]}',
+]  # fmt: skip
+
+
+def _random_json(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.randrange(7 if depth < 3 else 4)
+    if kind == 0:
+        return rng.choice([None, True, False])
+    if kind == 1:
+        return rng.randint(-(10**6), 10**6) * rng.choice([1, 0.5])
+    if kind in (2, 3):
+        return "".join(rng.choice('ab"\\\n}{,:é\u2028 ') for _ in range(rng.randrange(6)))
+    if kind == 4:
+        return [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    keys = ["body", "custom_id", "url", "x", 'q"}']
+    return {rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randrange(5))}
+
+
+def test_a_line_loads_as_json_loads_does_and_keeps_its_body_text() -> None:
+    """load_line parses member by member (to keep the body's own text): the same objects and
+    the same refusals as json.loads, on fixed cases and a seeded random slice."""
+    rng = random.Random(29)
+    randoms = []
+    for _ in range(400):
+        value = _random_json(rng)
+        text = json.dumps(value, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
+        randoms.append(text.encode())
+        if rng.random() < 0.3:  # damaged: a byte cut or doubled
+            cut = rng.randrange(len(text) + 1)
+            randoms.append((text[:cut] + text[cut:][1:] if rng.random() < 0.5 else text[:cut]
+                            + text[cut:cut + 1] + text[cut:]).encode())  # fmt: skip
+    for raw in LINE_CASES + randoms:
+        try:
+            expected = json.loads(raw)
+        except ValueError:
+            expected = ValueError
+        try:
+            got = lines_mod.load_line(raw)
+        except lines_mod.LineError:
+            assert expected is ValueError or not isinstance(expected, dict), raw
+            continue
+        assert isinstance(expected, dict) and dict(got) == expected, raw
+        if "body" in expected:
+            assert got.body_text is not None and json.loads(got.body_text) == expected["body"]
+        else:
+            assert got.body_text is None

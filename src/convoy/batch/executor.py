@@ -5,16 +5,23 @@ batch priority class, at most `window` lines at a time; finished lines go to a l
 
 Shared by the server's Batch API (`runner.py`) and `convoy batch` (`offline.py`). A line never
 fails the run: a bad body or a failed step is that line's error result. Only an engine that is
-gone (dead, shutting down) stops the run, leaving its lines uncommitted to run again later.
+gone (dead, shutting down) stops the run, leaving its lines uncommitted to run again later, and
+so does a ledger that cannot commit (LedgerError: a full disk, a database error), which ends the
+lines in flight at once: nothing is computed that could not be kept.
+
+Off the event loop: the lines are pulled from their iterator (file reads, JSON parsing) in a
+worker thread, a few at a time, and a large body is validated in one (`off_loop`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
+import logging
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -23,13 +30,22 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from convoy.api.errors import from_exception, validation_error
-from convoy.api.serving_base import ServingBase
+from convoy.api.serving_base import ServingBase, off_loop
 from convoy.batch.lines import InputLine, LineError
 from convoy.engine.errors import EngineUnavailableError
 from convoy.engine.request import Priority
 
+logger = logging.getLogger(__name__)
+
 FLUSH_LINES = 64  # a commit (one fsync per part file + one transaction) every this many lines
 FLUSH_S = 0.25  # or this often, when lines finish slowly
+PULL_LINES = 64  # lines pulled from the input in one worker-thread hop...
+PULL_BYTES = 1 << 20  # ...or fewer, once their bodies hold this many bytes
+
+
+class LedgerError(Exception):
+    """The ledger cannot make results durable (or its files are not what it committed): the
+    run stops, and what was committed before stays."""
 
 
 @dataclass(slots=True)
@@ -102,14 +118,15 @@ class BatchExecutor:
         run = _Run(self.routes[endpoint], ledger, self.on_result)
         flusher = asyncio.create_task(run.flush_every())
         try:
-            for line in lines:
-                await self._slots.acquire()
-                if run.failure:
-                    self._slots.release()
-                    break
-                task = asyncio.create_task(run.one(line, self._slots))
-                run.tasks.add(task)
-                task.add_done_callback(run.tasks.discard)
+            async with contextlib.aclosing(pulled(iter(lines))) as feed:
+                async for line in feed:
+                    await self._slots.acquire()
+                    if run.failure:
+                        self._slots.release()
+                        break
+                    task = asyncio.create_task(run.one(line, self._slots))
+                    run.tasks.add(task)
+                    task.add_done_callback(run.tasks.discard)
             while run.tasks and not run.failure:
                 await asyncio.wait(set(run.tasks), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -150,24 +167,59 @@ class _Run:
             self.on_result(result)
 
     async def flush_every(self) -> None:
-        """Commit finished lines in groups until the run stops, then the rest."""
-        while not self.stop.is_set():
-            if len(self.pending) < FLUSH_LINES:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), FLUSH_S)
-            if self.pending:
-                group, self.pending = self.pending, []
-                await self.ledger(group)
+        """Commit finished lines in groups until the run stops, then the rest.
+
+        A commit that fails stops the run: the lines in flight are cancelled (their engine
+        requests aborted), and the run raises LedgerError; nothing more is committed.
+        """
+        try:
+            while not self.stop.is_set():
+                if len(self.pending) < FLUSH_LINES:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.stop.wait(), FLUSH_S)
+                await self._commit()
+            await self._commit()
+        except Exception as e:  # noqa: BLE001 - disk full, a database error: the run's failure
+            logger.error("batch results could not be committed: %s", e)
+            self.failure.append(e if isinstance(e, LedgerError) else LedgerError(str(e)))
+            self.pending.clear()
+            for task in self.tasks:
+                task.cancel()
+
+    async def _commit(self) -> None:
         if self.pending:
             group, self.pending = self.pending, []
             await self.ledger(group)
+
+
+async def pulled(
+    lines: Iterator[InputLine | LineResult],
+) -> AsyncGenerator[InputLine | LineResult, None]:
+    """`lines`, advanced in a worker thread a group at a time (at most PULL_LINES lines, or
+    fewer holding PULL_BYTES of bodies): reading and parsing the input never runs on the loop."""
+
+    def group() -> list[InputLine | LineResult]:
+        taken: list[InputLine | LineResult] = []
+        num_bytes = 0
+        for line in itertools.islice(lines, PULL_LINES):
+            taken.append(line)
+            num_bytes += len(line.body) if isinstance(line, InputLine) else len(line.text)
+            if num_bytes >= PULL_BYTES:
+                break
+        return taken
+
+    while taken := await asyncio.to_thread(group):
+        for line in taken:
+            yield line
 
 
 async def run_line(route: Route, line: InputLine) -> LineResult:
     """One line through the serving code, as its HTTP request would run (greedy output equal)."""
     try:
         try:
-            request = route.request_type.model_validate_json(line.body)
+            request = await off_loop(
+                len(line.body), route.request_type.model_validate_json, line.body
+            )
         except ValidationError as e:
             located = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
             raise validation_error(RequestValidationError(located)) from None
@@ -183,6 +235,11 @@ async def run_line(route: Route, line: InputLine) -> LineResult:
         response_line(line.custom_id, 200, response.model_dump_json()),
         usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,
     )  # fmt: skip
+
+
+def unavailable_result(line: InputLine, message: str) -> LineResult:
+    """The line's 503, when no engine could run it (`message` says why)."""
+    return failed_result(line, EngineUnavailableError(message))
 
 
 def failed_result(line: InputLine, e: Exception) -> LineResult:

@@ -5,7 +5,8 @@
 NOTE: the order is the whole guarantee. A line is recorded done (with the part files' new
 lengths) only after its bytes are on disk; a crash in between leaves bytes past the recorded
 length, which `PartFiles` truncates when it opens the files again, and the line runs again. So
-after any crash each recorded line is in the files once and no unrecorded line is.
+after any crash each recorded line is in the files once and no unrecorded line is. A part file
+shorter than its recorded length (changed or damaged since) is a LedgerError, never padded.
 """
 
 from __future__ import annotations
@@ -16,8 +17,31 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from convoy.batch.executor import LineResult
+from convoy.batch.db import fsync_dir
+from convoy.batch.executor import LedgerError, LineResult
 from convoy.batch.store import BatchStore, Progress
+
+
+def cut_back(path: Path, size: int, create: bool = False) -> bool:
+    """Truncate `path` to its committed length `size` (fsynced); True when it was created.
+
+    A file shorter than `size` lost committed lines: LedgerError (truncate would pad it with
+    NUL bytes that would then be served as output).
+    """
+    if not create and not path.exists():
+        raise LedgerError(f"{path}: missing, with {size} bytes committed")
+    created = not path.exists()
+    with open(path, "ab") as f:  # creates it
+        length = f.tell()
+        if length < size:
+            raise LedgerError(
+                f"{path} holds {length} bytes but {size} were committed: the file was changed"
+                " or damaged outside Convoy"
+            )
+        if length > size:  # bytes appended, then a crash before they were recorded
+            f.truncate(size)
+            os.fsync(f.fileno())
+    return created
 
 
 class PartFiles:
@@ -29,11 +53,12 @@ class PartFiles:
     ) -> None:
         self.paths = (output,) if error is None else (output, error)
         self.sizes = [output_bytes, error_bytes][: len(self.paths)]
+        created = False
         for path, size in zip(self.paths, self.sizes, strict=True):
-            with open(path, "ab") as f:  # creates it
-                if f.tell() != size:
-                    f.truncate(size)
-                    os.fsync(f.fileno())
+            created |= cut_back(path, size, create=size == 0)
+        if created:  # the new names themselves must survive a power loss
+            for folder in {path.parent for path in self.paths}:
+                fsync_dir(folder)
         self._lock = threading.Lock()
 
     def append(self, results: list[LineResult], record: Callable[[int, int], None]) -> None:
@@ -62,7 +87,9 @@ class StoreLedger:
         row = store.row(batch_id)
         assert row is not None
         folder = store.db.batch_dir(batch_id)
-        folder.mkdir(parents=True, exist_ok=True)
+        if not folder.exists():
+            folder.mkdir(parents=True)
+            fsync_dir(folder.parent)
         self.store, self.batch_id = store, batch_id
         self.parts = PartFiles(
             folder / "output.part", folder / "error.part", row["output_bytes"], row["error_bytes"]

@@ -25,8 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from convoy.batch.db import fsync_dir
-from convoy.batch.executor import LineResult
+from convoy.batch.executor import LedgerError, LineResult
 from convoy.batch.inprocess import EngineStopped, open_serving, run_endpoints
 from convoy.batch.ledger import PartFiles
 from convoy.batch.lines import InputLine
@@ -128,11 +127,12 @@ def run_batch(job: OfflineJob) -> BatchSummary:
         for item in scan(job.input, job.settings.max_request_bytes):
             total += 1
             skipped += state.is_done(item.custom_id, item.number)
+        # NOTE: PartFiles fsyncs the folders of the files it creates (they survive a power loss)
         parts = PartFiles(job.output, job.error, state.output_bytes, state.error_bytes)
-        for folder in {job.output.parent, (job.error or job.output).parent}:
-            fsync_dir(folder)  # the files just created survive a power loss
     except OSError as e:
         raise JobError(f"{e.filename}: {e.strerror}" if e.filename else str(e), 1) from None
+    except LedgerError as e:  # an output file shorter than the state file records
+        raise JobError(f"{e}; remove the output files and {job.state} to start afresh", 1) from None
     plan = _Plan(job, state, parts, BatchSummary(total, skipped))
     if skipped < total:
         asyncio.run(_run_lines(plan))
@@ -162,7 +162,7 @@ async def _run_lines(plan: _Plan) -> None:
             await run_endpoints(serving.executor(progress.on_result), plan.lines, plan.ledger)
         except* EngineStopped as stopped:
             raise stopped.exceptions[0] from None
-        except* OSError as failed:  # the output files or the state file (disk full, ...)
+        except* (OSError, LedgerError) as failed:  # the output or state file (disk full, ...)
             raise JobError(f"could not record results: {failed.exceptions[0]}", 1) from None
         finally:
             progress.bar.close()

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from convoy.api.protocol_batch import ENDPOINTS
 from convoy.batch.executor import LineResult, line_error_result
-from convoy.batch.lines import InputLine, LineError, check_line, load_line, raw_lines
+from convoy.batch.lines import (
+    InputLine,
+    LineError,
+    LineObject,
+    check_line,
+    load_line,
+    raw_lines,
+)
 
 
 @dataclass(slots=True)
@@ -24,7 +31,7 @@ class ScannedLine:
 
     number: int  # 1-based line of the file
     custom_id: str | None  # a string seen first here: the line's key; else the number is
-    line: dict[str, object] | LineError
+    line: LineObject | LineError
 
     @property
     def endpoint(self) -> str:

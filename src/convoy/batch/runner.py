@@ -9,7 +9,11 @@ Every step reads its state from the database, so a restart (after `kill -9` too)
 batch from its status: `start()` spawns a task for every batch not yet finished. Finalizing is
 idempotent: a batch's output file ids are derived from its id, each part file is cut to its
 committed length and renamed to its file id, then one transaction registers the files and ends
-the batch.
+the batch. A ledger that cannot commit (a full disk, a database error, a part file damaged) ends
+the batch as failed, with the error, and what was committed becomes its output files.
+
+Off the event loop: every database call and file operation of a batch runs in a worker thread
+(`asyncio.to_thread`); the loop only starts, cancels and awaits them.
 """
 
 from __future__ import annotations
@@ -17,16 +21,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
+from functools import partial
 
+from convoy.api.protocol_batch import BatchError
 from convoy.batch.db import BatchDB, FileRow, fsync_dir
-from convoy.batch.executor import BatchExecutor, LineResult, line_error_result
-from convoy.batch.ledger import StoreLedger
+from convoy.batch.executor import BatchExecutor, LedgerError, LineResult, line_error_result
+from convoy.batch.ledger import StoreLedger, cut_back
 from convoy.batch.lines import InputLine, LineError, request_lines, validate
 from convoy.batch.store import BatchStore
 from convoy.engine.errors import EngineUnavailableError
@@ -55,18 +59,22 @@ class BatchRunner:
         self._stopping = False
 
     def start(self) -> None:
-        """Pick up every batch a previous run left unfinished, oldest first."""
+        """Pick up every batch a previous run left unfinished, oldest first (at start-up)."""
         for batch_id in self.store.ids_in(_UNFINISHED):
             self.submit(batch_id)
+        self.store.refresh_pending()
 
     def submit(self, batch_id: str) -> None:
         task = asyncio.create_task(self._drive(batch_id), name=f"batch {batch_id}")
         self.tasks[batch_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(batch_id, None))
 
-    def cancel(self, batch_id: str) -> bool:
+    async def cancel(self, batch_id: str) -> bool:
         """Start cancelling a batch that is validating or running; False if it is past that."""
-        if not self.store.move(batch_id, "cancelling", ["validating", "in_progress"]):
+        moved = await asyncio.to_thread(
+            self.store.move, batch_id, "cancelling", ["validating", "in_progress"]
+        )
+        if not moved:
             return False
         task = self.tasks.get(batch_id)
         if task is not None:
@@ -92,12 +100,14 @@ class BatchRunner:
             await self._advance(batch_id)  # a cancel: the status says cancelling now
         except EngineUnavailableError as e:
             logger.warning("batch %s paused: %s (it resumes when the server restarts)", batch_id, e)
+        except LedgerError as e:
+            await self._fail(batch_id, e)
         except Exception:
             logger.exception("batch %s stopped by an unexpected error", batch_id)
 
     async def _advance(self, batch_id: str) -> None:
         """Take the batch from its current status to a final one."""
-        row = self.store.row(batch_id)
+        row = await asyncio.to_thread(self.store.row, batch_id)
         assert row is not None
         status = row["status"]
         if status == "validating":
@@ -108,12 +118,12 @@ class BatchRunner:
             else:
                 await self._run(batch_id, row["expires_at"])
         elif status == "finalizing":
-            self._finalize(batch_id, "finalizing", "completed")
+            await asyncio.to_thread(self._finalize, batch_id, "finalizing", "completed")
         elif status == "cancelling":
-            self._finalize(batch_id, "cancelling", "cancelled")
+            await asyncio.to_thread(self._finalize, batch_id, "cancelling", "cancelled")
         else:
             return
-        row = self.store.row(batch_id)
+        row = await asyncio.to_thread(self.store.row, batch_id)
         if row is not None and row["status"] in _UNFINISHED:
             await self._advance(batch_id)
 
@@ -124,32 +134,47 @@ class BatchRunner:
         )
         if errors:
             data = json.dumps([e.model_dump() for e in errors])
-            self.store.move(batch_id, "failed", ["validating"], errors=data, total=total)
+            move = partial(self.store.move, errors=data, total=total)
+            await asyncio.to_thread(move, batch_id, "failed", ["validating"])
         else:
-            self.store.move(batch_id, "in_progress", ["validating"], total=total, model=self.model)
+            move = partial(self.store.move, total=total, model=self.model)
+            await asyncio.to_thread(move, batch_id, "in_progress", ["validating"])
 
     async def _run(self, batch_id: str, expires_at: int) -> None:
-        row = self.store.row(batch_id)
+        row = await asyncio.to_thread(self.store.row, batch_id)
         assert row is not None
-        ledger = StoreLedger(self.store, batch_id)
+        ledger = await asyncio.to_thread(StoreLedger, self.store, batch_id)
         lines = self._lines(batch_id, row["endpoint"], row["input_file_id"])
         try:
             async with asyncio.timeout(max(0.0, expires_at - time.time())):
                 await self.executor.run(row["endpoint"], lines, ledger)
         except TimeoutError:
             return  # still in_progress, past expires_at: _advance expires it
-        self.store.move(batch_id, "finalizing", ["in_progress"])
+        await asyncio.to_thread(self.store.move, batch_id, "finalizing", ["in_progress"])
 
     async def _expire(self, batch_id: str) -> None:
-        row = self.store.row(batch_id)
+        row = await asyncio.to_thread(self.store.row, batch_id)
         assert row is not None
         expired = (
             line_error_result(line.index, _expired(), line.custom_id)
             if isinstance(line, InputLine) else line
             for line in self._lines(batch_id, row["endpoint"], row["input_file_id"])
         )  # fmt: skip
-        await self.executor.run(row["endpoint"], expired, StoreLedger(self.store, batch_id))
-        self._finalize(batch_id, "in_progress", "expired")
+        ledger = await asyncio.to_thread(StoreLedger, self.store, batch_id)
+        await self.executor.run(row["endpoint"], expired, ledger)
+        await asyncio.to_thread(self._finalize, batch_id, "in_progress", "expired")
+
+    async def _fail(self, batch_id: str, e: LedgerError) -> None:
+        """End a running batch whose results cannot be committed: failed, with the error; what
+        was committed becomes its output files. If even that cannot be recorded, the batch stays
+        as it is and resumes at the next start."""
+        logger.error("batch %s failed: %s", batch_id, e)
+        error = BatchError(code="ledger_failed", message=f"results could not be recorded: {e}")
+        errors = json.dumps([error.model_dump()])
+        try:
+            await asyncio.to_thread(self._finalize_failed, batch_id, errors)
+        except Exception:
+            logger.exception("batch %s: its failure could not be recorded either", batch_id)
 
     def _lines(
         self, batch_id: str, endpoint: str, file_id: str
@@ -165,8 +190,16 @@ class BatchRunner:
                 number, err = item
                 yield line_error_result(number - 1, err)
 
-    def _finalize(self, batch_id: str, current: str, final: str) -> None:
-        """Turn the part files into output files and end the batch (safe to repeat)."""
+    def _finalize_failed(self, batch_id: str, errors: str) -> None:
+        row = self.store.row(batch_id)
+        if row is not None and row["status"] in ("in_progress", "finalizing", "cancelling"):
+            self._finalize(batch_id, row["status"], "failed", errors)
+
+    def _finalize(self, batch_id: str, current: str, final: str, errors: str | None = None) -> None:
+        """Turn the part files into output files and end the batch (safe to repeat); blocking.
+
+        A part file shorter than its committed length is left out (LedgerError when it is not
+        the failure being recorded)."""
         row = self.store.row(batch_id)
         assert row is not None
         folder = self.db.batch_dir(batch_id)
@@ -177,22 +210,23 @@ class BatchRunner:
             dest = self.db.file_path(file_id)
             part = folder / f"{kind}.part"
             if part.exists() and size > 0:
-                _cut(part, size)
+                try:
+                    cut_back(part, size)
+                except LedgerError:
+                    if errors is None:
+                        raise
+                    continue  # failing already: keep what is whole
                 part.rename(dest)
                 fsync_dir(dest.parent)
             if dest.exists():
                 name = f"{batch_id}_{kind}.jsonl"
                 files.append(FileRow(file_id, size, int(time.time()), name, "batch_output"))
                 ids[f"{kind}_file_id"] = file_id
+        if errors is not None:
+            ids["errors"] = errors
         if self.store.move(batch_id, final, [current], files, **ids):
             shutil.rmtree(folder, ignore_errors=True)  # empty part files
 
 
 def _expired() -> LineError:
     return LineError("batch_expired", EXPIRED_MESSAGE)
-
-
-def _cut(path: Path, size: int) -> None:
-    with open(path, "r+b") as f:
-        f.truncate(size)
-        os.fsync(f.fileno())

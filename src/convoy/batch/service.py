@@ -49,7 +49,7 @@ class BatchMetrics(Collector):
         self.tokens.inc(result.output_tokens)
 
     def collect(self) -> list[Metric]:
-        depth = 0 if self.store is None else self.store.pending_lines()
+        depth = 0 if self.store is None else self.store.num_pending_lines
         doc = "Request lines of running batches not yet answered."
         return [GaugeMetricFamily("convoy_batch_queue_lines", doc, value=depth)]
 

@@ -53,6 +53,9 @@ def new_batch_id() -> str:
 class BatchStore:
     def __init__(self, db: BatchDB) -> None:
         self.db = db
+        # Request lines of running batches not yet answered, as of the last commit or move:
+        # what /metrics shows, read without a query (the loop never waits on the database).
+        self.num_pending_lines = 0
 
     def create(
         self, endpoint: str, input_file_id: str, window: str, metadata: dict[str, str] | None,
@@ -140,7 +143,8 @@ class BatchStore:
                 for row in files:
                     conn.execute("DELETE FROM files WHERE id = ?", (row.id,))  # a retried move
                     self.db.insert_file(conn, row)
-            return bool(cur.rowcount)
+        self.refresh_pending()
+        return bool(cur.rowcount)
 
     def commit(self, batch_id: str, p: Progress) -> None:
         """Mark lines done with the counts they add and the part files' new committed lengths.
@@ -161,6 +165,7 @@ class BatchStore:
                 (p.completed, p.failed, p.input_tokens, p.cached_tokens, p.output_tokens,
                  p.output_bytes, p.error_bytes, batch_id),
             )  # fmt: skip
+        self.refresh_pending()
 
     def done_lines(self, batch_id: str) -> set[int]:
         rows = self.db.read(
@@ -170,15 +175,17 @@ class BatchStore:
         )
         return {r[0] for r in rows}
 
-    def pending_lines(self) -> int:
-        """Request lines of running batches not yet answered (the batch queue depth)."""
+    def refresh_pending(self) -> int:
+        """Request lines of running batches not yet answered (the batch queue depth), counted
+        again into `num_pending_lines`; blocking."""
         row = self.db.read(
             lambda c: c.execute(
                 "SELECT COALESCE(SUM(total - completed - failed), 0) FROM batches"
                 " WHERE status = 'in_progress'"
             ).fetchone()
         )
-        return int(row[0])
+        self.num_pending_lines = int(row[0])
+        return self.num_pending_lines
 
 
 def _to_batch(row: sqlite3.Row) -> Batch:

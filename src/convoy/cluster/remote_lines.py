@@ -4,9 +4,9 @@ replica, through a Serve handle (Serve's router picks the replica).
     BatchExecutor --RemoteLines(line)--> ConvoyReplica.run_batch_line (run_line, batch priority)
       None (that engine is dead or stopping) | a replica gone (Ray, Serve errors)
         --> the same line again after a capped backoff, on whichever replica Serve picks
+      after LINE_TRIES tries (as `convoy batch --ray` retries a shard) --> that line's 503 error
 
-The retries have no limit of their own: the batch's expiry and its cancel end them. A line's
-result is committed once, by the coordinator's ledger, however often it was tried.
+A line's result is committed once, by the coordinator's ledger, however often it was tried.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import RayServeException
 
-from convoy.batch.executor import LineResult, failed_result
+from convoy.batch.executor import LineResult, failed_result, unavailable_result
 from convoy.batch.lines import InputLine
 from convoy.cluster.ray_setup import brief
 
@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 RETRY_FIRST_S = 0.25
 RETRY_MAX_S = 4.0  # a replaced replica loads its engine in seconds; poll no slower than this
 LOG_EVERY_S = 10.0  # one warning per this many seconds however many lines wait
+LINE_TRIES = 20  # then the line fails with its error (driver.SHARD_RETRIES for `--ray` shards)
 
 
 class RemoteLines:
@@ -46,7 +47,7 @@ class RemoteLines:
 
     async def __call__(self, line: InputLine) -> LineResult:
         delay = RETRY_FIRST_S
-        while True:
+        for num_tries in range(1, LINE_TRIES + 1):
             why = "its engine is unavailable"
             try:
                 result: LineResult | None = await self.handle().run_batch_line.remote(
@@ -58,9 +59,14 @@ class RemoteLines:
                 result, why = None, f"{type(e).__name__}: {brief(e)}"
             if result is not None:
                 return result
+            if num_tries == LINE_TRIES:
+                break
             self._warn(line, why)
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay)  # backoff between tries
             delay = min(delay * 2, RETRY_MAX_S)
+        message = f"the line did not run on any replica in {LINE_TRIES} tries: {why}"
+        logger.error("batch line %s failed: %s", line.custom_id, message)
+        return unavailable_result(line, message)
 
     def _warn(self, line: InputLine, why: str) -> None:
         now = time.monotonic()

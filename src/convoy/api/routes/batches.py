@@ -1,7 +1,13 @@
-"""/v1/batches routes: thin, over the runner and store of `convoy.batch` (`app.state.batch_runner`)."""
+"""/v1/batches routes: thin, over the runner and store of `convoy.batch` (`app.state.batch_runner`).
+
+Every database call runs in a worker thread: a commit fsyncs, and the database mutex may be held
+by a batch committing its lines, so the event loop never waits on either.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from functools import partial
 from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
@@ -42,12 +48,13 @@ def add_batch_routes(app: FastAPI, settings: ServerConfig) -> None:
             raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
         if body.completion_window not in COMPLETION_WINDOWS:
             raise APIError(400, "completion_window must be '24h'", "completion_window")
-        batch = runner.store.create(
-            body.endpoint, body.input_file_id, body.completion_window, body.metadata,
-            settings.batch_window,
+        create = partial(
+            runner.store.create, body.endpoint, body.input_file_id, body.completion_window,
+            body.metadata, settings.batch_window,
         )  # fmt: skip
+        batch = await asyncio.to_thread(create)
         if batch is None:
-            file = runner.db.get_file(body.input_file_id)
+            file = await asyncio.to_thread(runner.db.get_file, body.input_file_id)
             if file is None:
                 raise APIError(404, f"No such File object: {body.input_file_id}", "input_file_id")
             raise APIError(
@@ -58,17 +65,17 @@ def add_batch_routes(app: FastAPI, settings: ServerConfig) -> None:
 
     @app.get("/v1/batches/{batch_id}", response_model=Batch)
     async def get_batch(batch_id: str, request: Request) -> Response:
-        return _json(_get(_runner(request), batch_id))
+        return _json(await _get(_runner(request), batch_id))
 
     @app.post("/v1/batches/{batch_id}/cancel", response_model=Batch)
     async def cancel_batch(batch_id: str, request: Request) -> Response:
         runner = _runner(request)
-        batch = _get(runner, batch_id)
-        if batch.status not in ("cancelling", "cancelled") and not runner.cancel(batch_id):
+        batch = await _get(runner, batch_id)
+        if batch.status not in ("cancelling", "cancelled") and not await runner.cancel(batch_id):
             raise APIError(
                 409, f"batch {batch_id} is {batch.status} and cannot be cancelled", "batch_id"
             )
-        return _json(_get(runner, batch_id))
+        return _json(await _get(runner, batch_id))
 
     @app.get("/v1/batches", response_model=BatchList)
     async def list_batches(
@@ -76,7 +83,7 @@ def add_batch_routes(app: FastAPI, settings: ServerConfig) -> None:
         after: str | None = None,
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
     ) -> Response:
-        found = _runner(request).store.page(after, limit)
+        found = await asyncio.to_thread(_runner(request).store.page, after, limit)
         if found is None:
             raise APIError(404, f"No such Batch object: {after}", "after")
         batches, has_more = found
@@ -85,8 +92,8 @@ def add_batch_routes(app: FastAPI, settings: ServerConfig) -> None:
         return _json(BatchList(data=batches, first_id=first, last_id=last, has_more=has_more))
 
 
-def _get(runner: BatchRunner, batch_id: str) -> Batch:
-    batch = runner.store.get(batch_id)
+async def _get(runner: BatchRunner, batch_id: str) -> Batch:
+    batch = await asyncio.to_thread(runner.store.get, batch_id)
     if batch is None:
         raise APIError(404, f"No such Batch object: {batch_id}", "batch_id")
     return batch
