@@ -61,9 +61,27 @@ def _tied_at_the_fifth() -> torch.Tensor:
     return x
 
 
+def _underflowing_at_the_kth() -> torch.Tensor:
+    """At temperature 0.05 the weights exp(l / T - max) of all but the top four tokens underflow
+    to 0 in float32 ((10 - 4) / 0.05 = 120 > 104): top_k=20's k-th weight is 0."""
+    x = _logits(1.0, 8)
+    x[x.sort(descending=True).indices[:4]] = torch.tensor([10.0, 9.95, 9.9, 9.85])
+    return x
+
+
+def _weights(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The CPU sampler's weights of a row."""
+    x = logits / temperature
+    return (x - x.max()).exp()
+
+
 CASES = {
     "temperature": (_logits(3.0, 1), SamplingParams(temperature=0.7)),
     "top_k with ties": (_tied_at_the_fifth(), SamplingParams(temperature=1.0, top_k=5)),
+    "top_k at a low temperature": (
+        _underflowing_at_the_kth(),
+        SamplingParams(temperature=0.05, top_k=20),
+    ),
     "top_p within the candidates": (_logits(4.0, 2), SamplingParams(temperature=0.8, top_p=0.8)),
     "top_p past the candidates": (_logits(0.5, 3), SamplingParams(temperature=1.0, top_p=0.95)),
     "min_p": (_logits(3.0, 4), SamplingParams(temperature=1.0, min_p=0.2)),
@@ -97,6 +115,17 @@ def _assert_same_mass_by_rank(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_the_nucleus_past_the_candidates_is_searched_beyond_them() -> None:
     logits, params = CASES["top_p past the candidates"]
     assert int((_expected(logits, params) > 0).sum()) > sampler._CANDIDATES
+
+
+def test_top_k_keeps_ties_at_the_kth_weight_only_when_it_is_not_zero() -> None:
+    """A weight of 0 is never drawn: the tokens tied at a k-th weight of 0 (all but four of the
+    vocabulary here) are not candidates, ties of a non-zero weight still are."""
+    logits, params = CASES["top_k at a low temperature"]
+    w = _weights(logits, params.temperature)
+    assert int((w > 0).sum()) == 4  # the k-th weight underflowed, every other one ties with it
+    vals, ids = sampler._top_k(w, params.top_k)
+    assert len(ids) == params.top_k and set(ids[:4].tolist()) == set(w.nonzero()[:, 0].tolist())
+    assert len(sampler._top_k(_weights(_tied_at_the_fifth(), 1.0), 5)[1]) == 7
 
 
 def test_zero_weight_tokens_are_never_drawn_in_any_chunk() -> None:

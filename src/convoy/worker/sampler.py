@@ -271,8 +271,9 @@ def _sample_random_cpu(
     at 64 rows of Gemma 3's 262144 logits cost 0.76 s (top-p: 2.9 s, a full sort per row). Here
     the weights are computed in place in a buffer this thread reuses, top-k and top-p look among
     the highest `_CANDIDATES` tokens (a full sort only when the nucleus reaches past them, or
-    ties straddle the k-th value), and the search walks chunk sums, then one chunk, in float64.
-    Each row's token depends on its own logits, parameters and draw alone (batch invariance).
+    ties of non-zero weight straddle the k-th value), and the search walks chunk sums, then one
+    chunk, in float64. Each row's token depends on its own logits, parameters and draw alone
+    (batch invariance).
     """
     n, v = len(idx), logits.shape[1]
     w = _scratch(n, v)
@@ -304,11 +305,8 @@ def _sample_filtered(row: torch.Tensor, top_k: int, p: SamplingParams, u: float)
     """One token of `row` (weights) under top-k (0: none), then top-p over the kept tokens'
     renormalised probabilities, then min-p; `u` in [0, 1)."""
     v = row.shape[0]
-    if top_k:  # ties at the k-th value are all kept
-        vals, ids = row.topk(top_k)
-        tied = int((row >= vals[-1]).sum())
-        if tied > top_k:
-            vals, ids = row.topk(tied)
+    if top_k:
+        vals, ids = _top_k(row, top_k)
         total = vals.sum(dtype=torch.float64)
     else:
         vals, ids = row.topk(min(_CANDIDATES, v))
@@ -325,6 +323,18 @@ def _sample_filtered(row: torch.Tensor, top_k: int, p: SamplingParams, u: float)
     c = vals[:keep].cumsum(0, dtype=torch.float64)
     at = int(torch.searchsorted(c, u * float(c[-1]), right=True))
     return int(ids[min(at, keep - 1)])
+
+
+def _top_k(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k highest weights of `row`, descending, and their ids; ties at the k-th value are all
+    kept, unless it is 0 (every weight that underflowed at a low temperature would tie, and the
+    row be sorted whole): a token of weight 0 is never drawn."""
+    vals, ids = row.topk(k)
+    if vals[-1] > 0:
+        tied = int((row >= vals[-1]).sum())
+        if tied > k:
+            vals, ids = row.topk(tied)
+    return vals, ids
 
 
 def _at_least_mass(
