@@ -3,7 +3,7 @@ schema that states them, and sequence admission (prompts x n per request, the qu
 
 from __future__ import annotations
 
-import gc
+import asyncio
 import json
 from typing import Any, cast
 
@@ -189,7 +189,8 @@ def test_admission_reserves_every_sequence_at_once_and_gives_them_back() -> None
     assert client.num_seqs_in_flight == 6  # a refused request reserves nothing
     second = client.generate(_requests(4), RequestRecord("c"))  # 6 + 4 fits exactly
     assert client.num_seqs_in_flight == 10
-    # a stream dropped before its first read (client gone before the response began) gives back
-    del first, second
-    gc.collect()
+    # a stream closed before its first read (client gone before the response began) gives back
+    asyncio.run(first.aclose())
+    assert (client.num_in_flight, client.num_seqs_in_flight) == (4, 4)
+    asyncio.run(second.aclose())
     assert (client.num_in_flight, client.num_seqs_in_flight) == (0, 0)

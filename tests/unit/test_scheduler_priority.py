@@ -11,6 +11,7 @@ from convoy.config import ConfigError, SchedulerConfig
 from convoy.engine.request import Priority, Request, RequestStatus
 from convoy.engine.scheduler import Scheduler
 from convoy.outputs import FinishReason
+from convoy.sampling_params import SamplingParams
 from tests.unit.test_scheduler import FakeEngine, _req
 
 
@@ -198,3 +199,33 @@ def test_batch_share_outside_0_1_is_refused(share: float) -> None:
 def test_batch_share_flag() -> None:
     assert parse_serve_args(["--batch-share", "0.5"]).engine.scheduler.batch_share == 0.5
     assert parse_serve_args([]).engine.scheduler.batch_share == 0.25
+
+
+def test_an_interactive_request_never_waits_on_a_block_pending_in_a_paused_batch_line() -> None:
+    """A batch line computing a prompt block an interactive request needs, then paused by that
+    request's arrival (share: one line), would never finish the block: the interactive request
+    computes it itself, and a second one with the same prefix waits for the first instead."""
+    eng = FakeEngine(num_blocks=256, max_seqs=4, max_tokens=64)
+    line0 = _batch("line0", 4, max_tokens=100)
+    line1 = _batch("line1", 200)
+    _add(eng, [line0, line1])
+    assert eng.step() == [(line0, 4), (line1, 16)]  # alone: 4 decodes + 0.25 x 64 prompt tokens
+    assert eng.step() == [(line0, 1), (line1, 19)]  # 35 computed: block 8 (32..35) is pending
+    prefix = line1.prompt_token_ids[:40]
+    users = [
+        Request(f"u{i}", [*prefix, 90_000 + i], SamplingParams(max_tokens=8), f"u{i}", 0.0)
+        for i in (1, 2)
+    ]
+    _add(eng, users)
+    # The batch keeps max(1, floor(0.25 x 4)) = 1 line, line0: line1 is paused. u1 takes its
+    # first 8 blocks from the cache and computes block 8 and on; u2 waits one step for u1.
+    assert eng.step() == [(users[0], 9), (line0, 1)]
+    assert users[0].num_cached_tokens == 32
+    assert eng.step() == [(users[0], 1), (users[1], 1), (line0, 1)]
+    assert users[1].num_cached_tokens == 40
+    while any(u.status != RequestStatus.FINISHED for u in users):
+        assert line1 not in [r for r, _ in eng.step()]  # paused all along
+    assert line1.num_computed_tokens == 35 and line1.num_preemptions == 0
+    eng.run()
+    assert all(r.num_output_tokens == 8 for r in [line1, *users])
+    assert eng.bm.num_used_blocks == 0

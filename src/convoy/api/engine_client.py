@@ -9,18 +9,20 @@ Admission counts sequences (prompts x max(n, best_of)), not requests: one reques
 most `max_seqs_per_request` (more: 400), and all requests together hold at most `max_queue_seqs`
 (more: 429 with Retry-After). A request reserves all its sequences in one synchronous step (no
 await between the check and the reservation, so concurrent requests cannot race past the bound)
-and gives each engine request's share back when that request ends. Batch API lines (priority
-BATCH) are outside `max_queue_seqs`: the batch executor bounds them with its own window, and the
-scheduler runs them after interactive work, so they never make an interactive request see 429.
+and gives each engine request's share back when that request ends; closing the stream (its
+owner always does: `aclosing`, the SSE response) gives back what is left, whether or not it was
+ever read. Batch API lines (priority BATCH) are outside `max_queue_seqs`: the batch executor
+bounds them with its own window, and the scheduler runs them after interactive work, so they
+never make an interactive request see 429.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from convoy.api.errors import APIError
 from convoy.api.metrics import RequestRecord
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from convoy.structured.compiler import GrammarCompiler
 
 RETRY_AFTER_S = 1  # sequences finish continuously; a short wait is usually enough
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -84,10 +87,33 @@ class _Admission:
     def release_all(self) -> None:
         self.release(self.num_requests, self.num_seqs)
 
-    def __del__(self) -> None:
-        # NOTE: a stream dropped before its first read (client gone before the response started)
-        # never runs its generator's `finally`; dropping it drops this, which gives all back.
+    async def aclose(self) -> None:
         self.release_all()
+
+
+class ClosingGenerator(AsyncGenerator[T, None], Generic[T]):
+    """`gen`, then `after()` once it is closed, whether or not it ever started.
+
+    NOTE: a plain async generator closed before its first step (a client gone before its
+    response started) never runs its own `finally`: what must be given back goes in `after`.
+    """
+
+    __slots__ = ("_gen", "_after")
+
+    def __init__(self, gen: AsyncGenerator[T, None], after: Callable[[], Awaitable[None]]) -> None:
+        self._gen, self._after = gen, after
+
+    async def asend(self, value: None) -> T:
+        return await self._gen.asend(value)
+
+    async def athrow(self, *args: Any) -> T:
+        return await self._gen.athrow(*args)
+
+    async def aclose(self) -> None:
+        try:
+            await self._gen.aclose()
+        finally:
+            await self._after()
 
 
 _END = object()
@@ -205,13 +231,14 @@ class EngineClient:
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Admit every prompt's sequences at once (or raise 429 now, before any response is
         started), then run each prompt as its own engine request; the returned stream yields
-        (prompt index, output) as they come. Batch-priority requests skip the queue bound."""
+        (prompt index, output) as they come, and the caller must close it (what it still holds
+        is given back then). Batch-priority requests skip the queue bound."""
         num_seqs = sum(r.params.num_seqs for r in requests)
         is_queued = not requests or requests[0].priority == Priority.INTERACTIVE
         if is_queued:
             self.check_capacity(num_seqs)
         admission = _Admission(self, len(requests), num_seqs, is_queued)
-        return self._run(requests, record, admission)
+        return ClosingGenerator(self._run(requests, record, admission), admission.aclose)
 
     async def _run(
         self, requests: list[EngineRequest], record: RequestRecord, admission: _Admission

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from convoy.api.engine_client import EngineClient, Prompt, new_id
+from convoy.api.engine_client import ClosingGenerator, EngineClient, Prompt, new_id
 from convoy.api.logprobs import TokenNames
 from convoy.api.metrics import RequestRecord
 from convoy.api.protocol import UsageInfo
@@ -103,9 +104,10 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         record.api_id, record.num_prompts = api_id, len(prompts)
         record.num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         outputs = self.client.generate(engine_requests, record)
-        if request.stream:
-            return self.stream(job, outputs)
-        return await self.collect(job, outputs)
+        if request.stream:  # the caller owns (and must close) the chunks, and so the outputs
+            return ClosingGenerator(self.stream(job, outputs), outputs.aclose)
+        async with aclosing(outputs):
+            return await self.collect(job, outputs)
 
     def _prepare(
         self, request: RequestT, params: SamplingParams, api_id: str, priority: Priority

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from convoy.api.errors import from_exception
 
@@ -22,7 +23,7 @@ def sse_frame(payload: BaseModel) -> bytes:
 
 async def sse_events(
     chunks: AsyncGenerator[BaseModel, None], request_id: str
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Frame every chunk; an error after the stream started becomes an error frame (an engine
     failure too: 500 `internal_error`, or 503 `engine_unavailable` at shutdown).
 
@@ -47,7 +48,24 @@ async def sse_events(
 
 
 def sse_response(chunks: AsyncGenerator[BaseModel, None], request_id: str) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(
-        sse_events(chunks, request_id), media_type="text/event-stream", headers=headers
-    )
+    return _EventStream(chunks, request_id)
+
+
+class _EventStream(StreamingResponse):
+    """Closes its chunks once the response ends, however it ended: also when the client left
+    before the body was read (Starlette never closes a body iterator), which gives the request's
+    admission back and aborts its engine requests."""
+
+    def __init__(self, chunks: AsyncGenerator[BaseModel, None], request_id: str) -> None:
+        self.chunks, self.events = chunks, sse_events(chunks, request_id)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(self.events, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.events.aclose()
+            finally:
+                await self.chunks.aclose()

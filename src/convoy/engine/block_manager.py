@@ -18,7 +18,10 @@ reusable while memory allows.
 
 A block being computed but not yet in the cache is *pending*: the scheduler holds back a request
 whose next prompt block is pending for one step and then reuses it (n samples of one prompt, a
-shared few-shot header across a batch) instead of computing it a second time.
+shared few-shot header across a batch) instead of computing it a second time. A request never
+waits on a lower-priority one: a block pending in a Batch API line (which may stay paused while
+interactive work runs) is computed by the interactive request that needs it, which takes the
+block's pending mark over.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-from convoy.engine.request import Request
+from convoy.engine.request import Priority, Request
 
 _NO_SALT = bytes(32)
 
@@ -67,7 +70,8 @@ class BlockManager:
         # NOTE: insertion order = eviction order (least recently freed first).
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id (computed blocks)
-        self._pending: dict[bytes, str] = {}  # block hash -> req_id computing it
+        # block hash -> (req_id, priority) of the sequence computing it
+        self._pending: dict[bytes, tuple[str, Priority]] = {}
         self._num_registered: dict[str, int] = {}  # req_id -> prompt blocks registered so far
         self.num_hit_tokens = 0  # prompt tokens served from the prefix cache, since start
 
@@ -90,14 +94,15 @@ class BlockManager:
         return hits
 
     def is_prefix_pending(self, req: Request, num_hits: int) -> bool:
-        """Is the request's first uncached prompt block being computed by another request?"""
+        """Is the request's first uncached prompt block being computed by another request of the
+        same or a higher priority? (Not worth waiting for: one of a lower priority.)"""
         if not self.enable_prefix_caching or req.wants_prompt_logprobs:
             return False
         limit = (req.num_tokens - 1) // self.block_size
         if num_hits >= min(limit, len(req.block_hashes)):
             return False
         owner = self._pending.get(req.block_hashes[num_hits])
-        return owner is not None and owner != req.req_id
+        return owner is not None and owner[0] != req.req_id and owner[1] <= req.priority
 
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens, after `cached` prefix blocks.
@@ -132,7 +137,7 @@ class BlockManager:
         start = self._num_registered.get(req.req_id, 0)
         for i in range(start, done):
             block_hash = req.block_hashes[i]
-            if self._pending.get(block_hash) == req.req_id:
+            if self._is_owner(req, block_hash):
                 del self._pending[block_hash]
             if block_hash not in self._cached:
                 self._cached[block_hash] = req.block_table[i]
@@ -149,7 +154,7 @@ class BlockManager:
         req.block_table = []
         self._num_registered.pop(req.req_id, None)
         for block_hash in req.block_hashes:
-            if self._pending.get(block_hash) == req.req_id:
+            if self._is_owner(req, block_hash):
                 del self._pending[block_hash]
 
     def _take_free_block(self) -> int:
@@ -163,12 +168,21 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def _is_owner(self, req: Request, block_hash: bytes) -> bool:
+        owner = self._pending.get(block_hash)
+        return owner is not None and owner[0] == req.req_id
+
     def _mark_pending(self, req: Request) -> None:
         # A sequence that scores its prompt computes every block too: its siblings wait for them.
+        # A block pending in a lower-priority sequence is taken over: the requests that need it
+        # wait for this one instead.
         if not self.enable_prefix_caching:
             return
         num_blocks = min(len(req.block_table), len(req.block_hashes))
         for i in range(self._num_registered.get(req.req_id, 0), num_blocks):
             block_hash = req.block_hashes[i]
-            if block_hash not in self._cached and block_hash not in self._pending:
-                self._pending[block_hash] = req.req_id
+            if block_hash in self._cached:
+                continue
+            owner = self._pending.get(block_hash)
+            if owner is None or owner[1] > req.priority:
+                self._pending[block_hash] = (req.req_id, req.priority)

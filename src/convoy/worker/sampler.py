@@ -10,7 +10,8 @@ position): its tokens do not depend on what else is in the batch, nor on whether
 preempted and recomputed. (The streams differ between a CPU and a CUDA generator: a seed is
 reproducible on one kind of device.) Random rows are drawn by inverse CDF on the CPU (one draw
 a row, `_sample_random_cpu`) and by an exponential race elsewhere (`_sample_random`): the same
-distributions, different streams.
+distributions, different streams. `CPU_PATHS = False` runs the other devices' paths on CPU
+tensors too (tests do: they have no GPU).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ _MASK64 = (1 << 63) - 1
 # log-softmax): 64 rows of Gemma's 262k vocabulary, not the whole chunk (2,048 x 262,144 x 4 B
 # = 2 GiB, twice).
 PROMPT_LOGITS_BYTES = 64 << 20
+# CPU tensors take the CPU's own paths (inverse-CDF draws, numpy masking); False: the paths of
+# every other device (the exponential race, masked_fill_), which tests run on CPU tensors.
+CPU_PATHS = True
 
 
 @dataclass(slots=True)
@@ -61,7 +65,7 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
         if greedy:
             tokens[greedy] = argmax_rows(logits[greedy])
         chosen = [rows[i] for i in random_rows]
-        if logits.device.type == "cpu":
+        if _is_cpu(logits):
             tokens[random_rows] = _sample_random_cpu(logits, random_rows, chosen)
         else:
             tokens[random_rows] = _sample_random(logits[random_rows], chosen)
@@ -78,6 +82,10 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
             if rows[i].params.logprobs is not None:
                 logprobs[i] = entry
     return SamplerOutput(token_ids, logprobs, sampled)
+
+
+def _is_cpu(t: torch.Tensor) -> bool:
+    return CPU_PATHS and t.device.type == "cpu"
 
 
 _ARGMAX_CHUNK = 1024
@@ -188,8 +196,8 @@ def _apply_bitmasks(
     rows = [i for i, _ in constrained]
     words = np.stack([bitmask for _, bitmask in constrained])  # (C, W) int32
     # one byte per token, 1 = forbidden (a bit unset), viewed as bools: (C, V)
-    forbidden = np.unpackbits((~words).view(np.uint8), axis=1, bitorder="little")
-    forbidden = forbidden[:, : logits.shape[1]].view(np.bool_)
+    bits = np.unpackbits((~words).view(np.uint8), axis=1, bitorder="little")
+    forbidden = bits[:, : logits.shape[1]].view(np.bool_)
     dead = _mask_rows(logits, rows, forbidden)
     if dead:
         again = [rows[j] for j in dead]
@@ -202,7 +210,7 @@ def _mask_rows(
 ) -> list[int]:
     """logits[rows[j]] = -inf where forbidden[j], in place; returns the j whose row has no
     finite logit left."""
-    if logits.device.type == "cpu":
+    if _is_cpu(logits):
         # NOTE: numpy, not masked_fill_: torch's CPU kernel with a bool mask was ~8x slower
         # (measured 23 vs 2.7 ms for 16 rows of Gemma's 262k logits).
         view = logits.numpy()
@@ -271,8 +279,9 @@ def _sample_random_cpu(
     at 64 rows of Gemma 3's 262144 logits cost 0.76 s (top-p: 2.9 s, a full sort per row). Here
     the weights are computed in place in a buffer this thread reuses, top-k and top-p look among
     the highest `_CANDIDATES` tokens (a full sort only when the nucleus reaches past them, or
-    ties straddle the k-th value), and the search walks chunk sums, then one chunk, in float64.
-    Each row's token depends on its own logits, parameters and draw alone (batch invariance).
+    ties of non-zero weight straddle the k-th value), and the search walks chunk sums, then one
+    chunk, in float64. Each row's token depends on its own logits, parameters and draw alone
+    (batch invariance).
     """
     n, v = len(idx), logits.shape[1]
     w = _scratch(n, v)
@@ -304,11 +313,8 @@ def _sample_filtered(row: torch.Tensor, top_k: int, p: SamplingParams, u: float)
     """One token of `row` (weights) under top-k (0: none), then top-p over the kept tokens'
     renormalised probabilities, then min-p; `u` in [0, 1)."""
     v = row.shape[0]
-    if top_k:  # ties at the k-th value are all kept
-        vals, ids = row.topk(top_k)
-        tied = int((row >= vals[-1]).sum())
-        if tied > top_k:
-            vals, ids = row.topk(tied)
+    if top_k:
+        vals, ids = _top_k(row, top_k)
         total = vals.sum(dtype=torch.float64)
     else:
         vals, ids = row.topk(min(_CANDIDATES, v))
@@ -325,6 +331,18 @@ def _sample_filtered(row: torch.Tensor, top_k: int, p: SamplingParams, u: float)
     c = vals[:keep].cumsum(0, dtype=torch.float64)
     at = int(torch.searchsorted(c, u * float(c[-1]), right=True))
     return int(ids[min(at, keep - 1)])
+
+
+def _top_k(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k highest weights of `row`, descending, and their ids; ties at the k-th value are all
+    kept, unless it is 0 (every weight that underflowed at a low temperature would tie, and the
+    row be sorted whole): a token of weight 0 is never drawn."""
+    vals, ids = row.topk(k)
+    if vals[-1] > 0:
+        tied = int((row >= vals[-1]).sum())
+        if tied > k:
+            vals, ids = row.topk(tied)
+    return vals, ids
 
 
 def _at_least_mass(
