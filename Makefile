@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 MODEL  ?=
 ARGS   ?=
 
-.PHONY: install install-test serve test lint bench clean
+.PHONY: install install-test serve test test-fast lint bench clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -38,6 +38,10 @@ lint: install-test
 
 test: install-test lint
 	$(VENV)/bin/pytest -q -x --durations=15 $(ARGS)
+
+# The developers' lane: unit and engine tests, no servers, no Ray, no slow model loads.
+test-fast: install-test
+	$(VENV)/bin/pytest -q -x tests/unit tests/engine -m "not slow" $(ARGS)
 
 bench: install-test
 	$(PY) bench/throughput.py $(ARGS)

@@ -65,6 +65,7 @@ def _assert_close(want: list, got: list) -> None:
     assert sum(same_prefix) >= 0.75 * sum(len(t) for t in _tokens(want))
 
 
+@pytest.mark.slow  # ~25 s each: not in make test-fast
 def test_batch_invariant(bf16_kv: LLM) -> None:
     """The 16 prompts together, in halves and in another order: the same tokens.
 
@@ -84,6 +85,7 @@ def test_batch_invariant(bf16_kv: LLM) -> None:
     assert reordered == together
 
 
+@pytest.mark.slow  # ~25 s each: not in make test-fast
 def test_torch_path_close_to_native(bf16_kv: LLM) -> None:
     """The torch path (CUDA, no compiler) converts what it writes and gathers the same way."""
     torch_path = LLM(

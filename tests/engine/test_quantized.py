@@ -102,6 +102,7 @@ def test_hf_weights_quantized_at_load(cpu_kernels: None, llm: LLM, mode: str, to
     assert abs(quant / exact - 1) < tol, (exact, quant)
 
 
+@pytest.mark.slow  # Gemma 3 loaded twice, quantized and fp32 (~60 s): not in make test-fast
 def test_gemma_mixed_block_types_run_quantized(
     cpu_kernels: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
