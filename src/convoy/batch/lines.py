@@ -133,7 +133,7 @@ def _expect_end(text: str, pos: int) -> None:
         raise json.JSONDecodeError("Extra data", text, pos)
 
 
-def check_line(line: LineObject, endpoint: str, model: str) -> tuple[str, str]:
+def check_line(line: dict[str, Any], endpoint: str, model: str) -> tuple[str, str]:
     """(custom_id, body JSON) of a loaded line meant for `endpoint`, or LineError."""
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
@@ -153,7 +153,9 @@ def check_line(line: LineObject, endpoint: str, model: str) -> tuple[str, str]:
         )
     if body.get("stream") is True:
         raise LineError("invalid_request", "stream is not supported in a batch", "body.stream")
-    return custom_id, line.body_text if line.body_text is not None else json.dumps(body)
+    # A plain dict (a line that crossed to a Ray actor as JSON data) has no body text kept.
+    body_text = line.body_text if isinstance(line, LineObject) else None
+    return custom_id, body_text if body_text is not None else json.dumps(body)
 
 
 def request_lines(

@@ -31,7 +31,7 @@ class ScannedLine:
 
     number: int  # 1-based line of the file
     custom_id: str | None  # a string seen first here: the line's key; else the number is
-    line: LineObject | LineError
+    line: LineObject | dict[str, object] | LineError  # a plain dict once it crossed to Ray
 
     @property
     def endpoint(self) -> str:
