@@ -38,6 +38,16 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): 0 experts for a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's; `intermediate_size` is a dense layer's
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    moe_layers: list[bool] = field(default_factory=list)  # per layer: experts, else a dense MLP
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer_idx]
 
     def layer_window(self, layer_idx: int) -> int | None:
         """Attention window of one layer: None means the layer attends to the whole context."""
@@ -78,6 +88,7 @@ class ModelConfig:
             sliding_window, layer_types = None, []
         if sliding_window and not layer_types:
             layer_types = ["sliding_attention"] * num_layers
+        experts, moe = _moe_fields(raw, model_type, num_layers)
         eos = raw.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         return cls(
@@ -95,7 +106,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=bool(raw.get("attention_bias", False)) or model_type == "qwen2",
+            qkv_bias=bool(raw.get("attention_bias") or raw.get("qkv_bias"))
+            or model_type in ("qwen2", "qwen2_moe"),
             qk_norm=model_type.startswith(("qwen3", "gemma3")),
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
             sliding_window=sliding_window,
@@ -104,7 +116,31 @@ class ModelConfig:
             query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=[int(e) for e in eos_ids],
+            **experts,
+            moe_layers=moe,
         )
+
+
+def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[dict, list[bool]]:
+    """The expert fields and the per-layer MoE flags: Mixtral's experts are its
+    `intermediate_size` wide and always renormalised; Qwen MoE layers are those not in
+    `mlp_only_layers` at every `decoder_sparse_step`-th layer."""
+    n = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    if n == 0:
+        return {}, []
+    mixtral = model_type == "mixtral"
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    moe = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    return {
+        "num_experts": n,
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(
+            raw["intermediate_size"] if mixtral else raw["moe_intermediate_size"]
+        ),
+        "norm_topk_prob": True if mixtral else bool(raw.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
+    }, moe
 
 
 def _rope_fields(raw: dict[str, Any]) -> tuple[float, float | None, dict[str, Any] | None]:

@@ -33,7 +33,8 @@ def convoy_greedy(
     max_len = max(len(p) for p in prompts) + steps
     per_seq = (max_len + block_size - 1) // block_size
     num_blocks = per_seq * len(prompts) + 1
-    dtype = model.model.embed_tokens.weight.dtype  # type: ignore[union-attr]
+    embed = model.model.embed_tokens  # type: ignore[union-attr]
+    dtype = embed.dtype if hasattr(embed, "dtype") else embed.weight.dtype  # QuantEmbedding: .dtype
     kv = allocate_kv_cache(cfg, num_blocks, block_size, dtype, torch.device("cpu"))
     runner = ModelRunner(model, kv, torch.device("cpu"), native_decode)
     free = list(range(num_blocks))

@@ -250,16 +250,22 @@ _SLICE_ALIGN = 64
 
 
 def gather_in_huge_pages(model: nn.Module) -> int:
-    """Move every QuantLinear's panels into one buffer that the kernel may back with 2 MiB pages
-    (`madvise(MADV_HUGEPAGE)`, Linux; transparent huge pages are often "madvise" only); returns
-    its bytes, 0 where nothing moved.
+    """Move every quantized weight's panels (a QuantLinear's `packed`, and any module's tensors
+    it names in `panel_attrs`: the experts') into one buffer that the kernel may back with 2 MiB
+    pages (`madvise(MADV_HUGEPAGE)`, Linux; transparent huge pages are often "madvise" only);
+    returns its bytes, 0 where nothing moved.
 
     A decode step streams all the weights once, a few hundred KB a linear: with 4 KiB pages every
-    4 KiB is a TLB miss on top of the DRAM latency. Each module's panels are copied in and freed
-    at once, so the load holds at most one module's panels twice.
+    4 KiB is a TLB miss on top of the DRAM latency. Each tensor is copied in and freed at once,
+    so the load holds at most one module's panels twice.
     """
-    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    sizes = [(m.packed.numel() + _SLICE_ALIGN - 1) // _SLICE_ALIGN * _SLICE_ALIGN for m in linears]
+    slots: list[tuple[nn.Module, str]] = []
+    for m in model.modules():
+        attrs = ("packed",) if isinstance(m, QuantLinear) else getattr(m, "panel_attrs", ())
+        slots += [(m, a) for a in attrs]
+    sizes = [
+        (getattr(m, a).numel() + _SLICE_ALIGN - 1) // _SLICE_ALIGN * _SLICE_ALIGN for m, a in slots
+    ]
     total = sum(sizes)
     if not sys.platform.startswith("linux") or total < HUGE_PAGE:
         return 0
@@ -273,11 +279,11 @@ def gather_in_huge_pages(model: nn.Module) -> int:
     except (OSError, AttributeError):  # no libc to ask: ordinary pages, same results
         pass
     offset = start
-    for module, size in zip(linears, sizes, strict=True):
-        old = module.packed
+    for (module, attr), size in zip(slots, sizes, strict=True):
+        old = getattr(module, attr)
         new = arena[offset : offset + old.numel()].view(old.shape)
         new.copy_(old)
-        module.packed = new  # the old panels are freed by the next assignment to `old`
+        setattr(module, attr, new)  # the old panels are freed by the next assignment to `old`
         offset += size
     return total
 

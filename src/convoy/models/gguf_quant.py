@@ -49,7 +49,9 @@ def quantized_linears(gguf_path: Path, model_dir: Path, types: set[int]) -> dict
         key = f"{module}.{target}" if module else target
         qtype = int(t.tensor_type)
         blocks = None
-        if qtype in types:
+        if qtype in types and t.data.ndim == 3:  # (experts, rows, bytes): never reordered
+            blocks = _rows(t.data, None)
+        elif qtype in types:
             rows = _row_order(family, arch, name, int(t.data.shape[0]), cfg)
             if rows is not None:
                 blocks = _rows(t.data, rows)
@@ -68,10 +70,10 @@ def _row_order(family: type, arch: str, name: str, n: int, cfg: dict) -> torch.T
     return order
 
 
-def _rows(data: np.ndarray, order: torch.Tensor) -> torch.Tensor:
-    """The blocks in `order`: a view of the mapped file when the order is the file's (QuantLinear
-    only reads them while repacking), else a reordered copy."""
-    if torch.equal(order, torch.arange(len(order))):
+def _rows(data: np.ndarray, order: torch.Tensor | None) -> torch.Tensor:
+    """The blocks in `order`: a view of the mapped file when the order is the file's (None; the
+    repacking only reads them), else a reordered copy."""
+    if order is None or torch.equal(order, torch.arange(len(order))):
         with warnings.catch_warnings():  # read-only memory map: nothing writes to it
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(data)
@@ -84,6 +86,6 @@ def _joined(shards: dict[int, QuantWeight | None]) -> QuantParts | None:
     if len(parts) != len(ordered):
         return None
     # Joined parts stack whole 8-row panels (kernels.linear.QuantLinear.from_parts).
-    if any(b.shape[0] % PANEL_ROWS for _, b in parts[:-1]):
+    if any(b.shape[-2] % PANEL_ROWS for _, b in parts[:-1]):  # an expert tensor's rows: dim 1
         return None
     return parts

@@ -84,6 +84,15 @@ class CausalLM(nn.Module):
         return head(hidden).float()
 
     @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        """A checkpoint tensor's name in this layout (before fused shards are joined)."""
+        return name
+
+    @classmethod
+    def stack_experts(cls, state: dict[str, torch.Tensor]) -> None:
+        """Join per-expert tensors of `state` (in place) into the family's 3-D expert weights."""
+
+    @classmethod
     def gguf_config(cls, arch: str, cfg: dict[str, Any], get: Callable[..., Any]) -> None:
         """Add the family's config.json keys, read from GGUF metadata by `get(key, default)`."""
 

@@ -74,10 +74,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     native = False  # act(gate) * up by one csrc kernel, where it has the activation
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act = activation(cfg.hidden_act)
         self.act_id = native_activation(cfg.hidden_act)
 
@@ -222,6 +223,10 @@ class LlamaForCausalLM(CausalLM):
     def gguf_config(cls, arch: str, cfg: dict[str, Any], get: Callable[..., Any]) -> None:
         if arch == "qwen2":
             cfg["attention_bias"] = True
+        if arch == "llama":
+            from convoy.models.moe import moe_config  # Mixtral: llama with experts
+
+            moe_config(arch, cfg, get)
 
     @classmethod
     def gguf_tensor(

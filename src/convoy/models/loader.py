@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from convoy.config import ConfigError
-from convoy.kernels.linear import QuantLinear, gather_in_huge_pages, use_quantized
+from convoy.kernels.linear import QuantLinear, QuantParts, gather_in_huge_pages, use_quantized
 from convoy.model_config import ModelConfig
 from convoy.models.gguf_convert import (
     ModelLoadError,
@@ -54,6 +54,7 @@ from convoy.models.gguf_convert import (
 from convoy.models.gguf_index import read_gguf_index
 from convoy.models.gguf_quant import quantized_linears
 from convoy.models.layers import CausalLM, QuantEmbedding
+from convoy.models.moe import Experts, QuantExperts
 from convoy.models.registry import ARCHITECTURES, gguf_family, model_class
 
 logger = logging.getLogger(__name__)
@@ -239,18 +240,26 @@ def _load_quantized(
     with torch.device("meta"):
         model = cls(cfg).to(dtype)
     quant = quantized_linears(resolved.weights_path, resolved.model_dir, types)
+    experts = _quantized_experts(model, quant)
     quant = {k: v for k, v in quant.items() if _is_linear_of(model, k, v)}
     embed: QuantLinear | None = None  # an untied embedding's own quantized rows
     if not cfg.tie_word_embeddings:
         embed = _embedding_blocks(resolved.weights_path, cfg.hidden_size, types)
     is_embed_quantized = embed is not None or (cfg.tie_word_embeddings and "lm_head" in quant)
     skip = {f"{name}.weight" for name in quant}
+    skip |= {f"{name}.{proj}.weight" for name in experts for proj in ("gate_up_proj", "down_proj")}
     if is_embed_quantized:
         skip.add("model.embed_tokens.weight")
     state = _gguf_tensors(resolved, cls, skip)
     _materialize(model, state, skip, device, resolved.weights_path)
     for name in list(quant):  # one at a time: each module's GGUF blocks freed once repacked
         use_quantized(model, {name: quant.pop(name)})
+    for name in list(experts):
+        gate_up, down = experts.pop(name)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, QuantExperts(
+            gate_up, down, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act
+        ))  # fmt: skip
     if is_embed_quantized:
         rows = embed if embed is not None else model.lm_head
         model.model.embed_tokens = QuantEmbedding(
@@ -279,6 +288,21 @@ def _release_free_memory() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
+
+
+def _quantized_experts(
+    model: nn.Module, quant: dict[str, list[tuple[int, torch.Tensor]]]
+) -> dict[str, tuple[QuantParts, QuantParts]]:
+    """Experts module name -> (gate|up parts, down parts) of `quant`'s 3-D expert tensors (taken
+    out of it), for every `Experts` whose projections are both kept quantized."""
+    found: dict[str, tuple[QuantParts, QuantParts]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Experts):
+            continue
+        gate_up, down = quant.pop(f"{name}.gate_up_proj", None), quant.pop(f"{name}.down_proj", None)
+        if gate_up is not None and down is not None:
+            found[name] = (gate_up, down)
+    return found
 
 
 def _is_linear_of(model: nn.Module, name: str, parts: list[tuple[int, torch.Tensor]]) -> bool:
@@ -320,7 +344,7 @@ def _gguf_tensors(
             raise ModelLoadError(f"{resolved.weights_path}: unexpected tensor {t.name!r}")
         piece = hf_name.split(".")[-2] if "." in hf_name else ""
         target, idx = packed.get(piece, (piece, -1))
-        name = hf_name.replace(piece, target) if idx >= 0 else hf_name
+        name = _renamed(hf_name, piece, target) if idx >= 0 else hf_name
         if name in skip:
             continue
         data = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -331,7 +355,7 @@ def _gguf_tensors(
         else:
             state[name] = w
     for name, parts in shards.items():
-        state[name] = torch.cat([parts[i] for i in sorted(parts)], dim=0)
+        state[name] = _join_shards(parts)
     return state
 
 
@@ -372,23 +396,40 @@ def _materialize(
 
 
 def _read_weights(folder: Path, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors renamed to the model's parameters; packed shards concatenated."""
+    """Checkpoint tensors renamed to the model's parameters; packed shards joined, per-expert
+    tensors stacked."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors weights")
+    family = type(model)
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
+    rename = getattr(family, "checkpoint_name", lambda n: n)
     state: dict[str, torch.Tensor] = {}
     shards: dict[str, dict[int, torch.Tensor]] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensor = f.get_tensor(name)
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensor = f.get_tensor(key)
+                name = rename(key)
                 piece = name.split(".")[-2] if "." in name else ""
                 if piece in packed:
                     target, idx = packed[piece]
-                    shards.setdefault(name.replace(piece, target), {})[idx] = tensor
+                    shards.setdefault(_renamed(name, piece, target), {})[idx] = tensor
                 else:
                     state[name] = tensor
     for name, parts in shards.items():
-        state[name] = torch.cat([parts[i] for i in sorted(parts)], dim=0)
+        state[name] = _join_shards(parts)
+    getattr(family, "stack_experts", lambda _: None)(state)
     return state
+
+
+def _renamed(name: str, piece: str, target: str) -> str:
+    """`name` with its module piece (the next to last part) replaced by `target`."""
+    head, _, last = name.rpartition(".")
+    return f"{head.rpartition('.')[0]}.{target}.{last}" if "." in head else f"{target}.{last}"
+
+
+def _join_shards(parts: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A fused module's shards in order, joined along their rows (an expert tensor's dim 1)."""
+    ordered = [parts[i] for i in sorted(parts)]
+    return torch.cat(ordered, dim=1 if ordered[0].dim() == 3 else 0)

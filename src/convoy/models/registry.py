@@ -7,6 +7,7 @@ from __future__ import annotations
 from convoy.models.gemma3 import Gemma3ForCausalLM
 from convoy.models.layers import CausalLM
 from convoy.models.llama import LlamaForCausalLM
+from convoy.models.moe import MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -14,6 +15,9 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
 }
 
 GGUF_FAMILIES: dict[str, type[CausalLM]] = {

@@ -19,6 +19,7 @@ from convoy.kernels.linear import (
 from convoy.kernels.ops import QUANT_TYPES
 from convoy.models.layers import CausalLM
 from convoy.models.loader import load_model, resolve_model
+from convoy.models.moe import quantize_experts
 from convoy.worker.batch import ModelRunnerOutput, ScheduledSeq
 from convoy.worker.kv_cache import allocate_kv_cache, num_blocks_for_budget, resolve_kv_dtype
 from convoy.worker.model_runner import ModelRunner
@@ -89,7 +90,9 @@ class Worker:
         quant_types = QUANT_TYPES.keys() if self.quantization == "gguf" else None
         self.model = load_model(resolved, self.dtype, self.device, quant_types)
         if self.quantization in ("int8", "int4"):
-            quantize_linears(self.model, 8 if self.quantization == "int8" else 4)
+            bits = 8 if self.quantization == "int8" else 4
+            quantize_linears(self.model, bits)
+            quantize_experts(self.model, bits)
             gather_in_huge_pages(self.model)
         self.model_family: type[CausalLM] = type(self.model)
         self.quantized_linears = sum(isinstance(m, QuantLinear) for m in self.model.modules())
