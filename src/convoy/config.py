@@ -152,9 +152,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 @dataclass(slots=True)
 class CacheConfig(_Config):
     block_size: int = setting(16, "tokens per KV-cache block", kind="positive")
-    kv_cache_memory: int = setting(
-        2 << 30,
-        "KV pool budget (512MiB, 2GiB, or bytes); the block pool is sized from it",
+    kv_cache_memory: int | None = setting(
+        None,
+        "KV pool budget (512MiB, 2GiB, or bytes); the block pool is sized from it (default:"
+        " half the memory left after the weights, 64MiB to 2GiB; the log says what it chose)",
         kind="size",
     )
     num_kv_blocks: int | None = setting(

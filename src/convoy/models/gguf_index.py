@@ -13,7 +13,10 @@ uint8 for block types), and `fields` holds the scalar and string values under th
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +128,33 @@ def _read(path: Path) -> GGUFIndex:
 
 
 _SKIPPED = object()
+_MADV_DONTNEED = 4
+
+
+def drop_mapped_pages(path: Path) -> int:
+    """Take this process's mapped pages of the file at `path` out of its resident set
+    (`madvise(MADV_DONTNEED)` on every mapping of it in /proc/self/maps); returns the bytes of
+    the mappings. The maps are read-only views of the file, so nothing is lost: a page touched
+    again is mapped back from the page cache. A load calls this after each module it repacked,
+    so the file's pages and their repacked copies are not resident together (Linux only; a no-op
+    elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    target = str(Path(path).resolve())
+    spans = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == target and "w" not in fields[1]:
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    spans.append((start, end - start))
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return 0
+    for start, length in spans:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED)
+    return sum(length for _, length in spans)
 
 
 def _string(data: np.ndarray, off: int) -> tuple[str, int]:

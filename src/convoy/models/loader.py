@@ -51,7 +51,7 @@ from convoy.models.gguf_convert import (
     read_gguf,
     staging_dir,
 )
-from convoy.models.gguf_index import read_gguf_index
+from convoy.models.gguf_index import drop_mapped_pages, read_gguf_index
 from convoy.models.gguf_quant import quantized_linears
 from convoy.models.layers import CausalLM, QuantEmbedding
 from convoy.models.moe import Experts, QuantExperts
@@ -252,14 +252,21 @@ def _load_quantized(
         skip.add("model.embed_tokens.weight")
     state = _gguf_tensors(resolved, cls, skip)
     _materialize(model, state, skip, device, resolved.weights_path)
-    for name in list(quant):  # one at a time: each module's GGUF blocks freed once repacked
+    # One module at a time: its GGUF blocks (views of the mapped file) are repacked, then the
+    # file's pages leave the resident set, so the load never holds the weights twice.
+    path = resolved.weights_path
+    drop_mapped_pages(path)
+    for name in list(quant):
         use_quantized(model, {name: quant.pop(name)})
+        drop_mapped_pages(path)
     for name in list(experts):
         gate_up, down = experts.pop(name)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, QuantExperts(
             gate_up, down, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act
         ))  # fmt: skip
+        del gate_up, down
+        drop_mapped_pages(path)
     if is_embed_quantized:
         rows = embed if embed is not None else model.lm_head
         model.model.embed_tokens = QuantEmbedding(

@@ -151,11 +151,18 @@ class QuantExperts(nn.Module):
 
 def _pack_experts(parts: QuantParts, kind: int, in_features: int) -> torch.Tensor:
     """(E, rows, bytes) blocks of each part -> every expert's panels, parts joined, stacked."""
-    panels = []
-    for e in range(int(parts[0][1].shape[0])):
-        one = [quant_pack(blocks[e].contiguous(), q, kind, in_features) for q, blocks in parts]
-        panels.append(one[0] if len(one) == 1 else torch.cat(one))
-    return torch.cat(panels)
+    out: torch.Tensor | None = None
+    experts, row = int(parts[0][1].shape[0]), 0
+    for e in range(experts):  # packed into one buffer as it goes: no second copy of the layer
+        for q, blocks in parts:
+            one = quant_pack(blocks[e].contiguous(), q, kind, in_features)
+            if out is None:
+                out = torch.empty((experts * sum(int(b.shape[1]) for _, b in parts) // PANEL_ROWS,
+                                   *one.shape[1:]), dtype=one.dtype)  # fmt: skip
+            out[row : row + one.shape[0]] = one
+            row += one.shape[0]
+    assert out is not None and row == out.shape[0]
+    return out
 
 
 def quantize_experts(model: nn.Module, bits: int) -> int:

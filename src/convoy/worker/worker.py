@@ -21,7 +21,8 @@ from convoy.models.layers import CausalLM
 from convoy.models.loader import load_model, resolve_model
 from convoy.models.moe import quantize_experts
 from convoy.worker.batch import ModelRunnerOutput, ScheduledSeq
-from convoy.worker.kv_cache import allocate_kv_cache, num_blocks_for_budget, resolve_kv_dtype
+from convoy.worker.kv_cache import allocate_kv_cache, resolve_kv_dtype
+from convoy.worker.memory import plan_memory
 from convoy.worker.model_runner import ModelRunner
 from convoy.worker.sampler import prompt_logprobs, sample
 
@@ -88,6 +89,20 @@ class Worker:
         # gguf: the linears (and embedding) of these GGUF block types are built from their
         # blocks; their dequantized weights are never materialised.
         quant_types = QUANT_TYPES.keys() if self.quantization == "gguf" else None
+        cache = config.cache
+        kv_name = cache.kv_cache_dtype
+        if kv_name == "auto" and self.quantization is not None:
+            kv_name = "float16"  # 16-bit K/V beside quantized weights, as llama.cpp keeps them
+        self.kv_dtype = resolve_kv_dtype(kv_name, self.dtype)
+        # Sized and checked before anything big is allocated: a model too large for the
+        # machine fails here, naming the sizes, not in the kernel's OOM killer mid-load.
+        self.memory = plan_memory(
+            resolved.config, self.model_path, self.dtype,
+            set(quant_types) if quant_types is not None else None, self.kv_dtype,
+            cache.block_size, cache.kv_cache_memory, cache.num_kv_blocks,
+            check_host=self.device.type == "cpu",
+        )  # fmt: skip
+        logger.info("memory plan for %s: %s", self.model_name, self.memory.describe())
         self.model = load_model(resolved, self.dtype, self.device, quant_types)
         if self.quantization in ("int8", "int4"):
             bits = 8 if self.quantization == "int8" else 4
@@ -100,14 +115,7 @@ class Worker:
         packing = linear_packing(self.device, self.dtype) if config.prepack_linears else None
         if packing is not None:
             self.packed_linears = pack_linears(self.model, packing)
-        cache = config.cache
-        kv_name = cache.kv_cache_dtype
-        if kv_name == "auto" and self.quantization is not None:
-            kv_name = "float16"  # 16-bit K/V beside quantized weights, as llama.cpp keeps them
-        self.kv_dtype = resolve_kv_dtype(kv_name, self.dtype)
-        self.num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
-            resolved.config, cache.kv_cache_memory, cache.block_size, self.kv_dtype
-        )
+        self.num_blocks = self.memory.kv_blocks
         kv = allocate_kv_cache(
             resolved.config, self.num_blocks, cache.block_size, self.kv_dtype, self.device
         )
