@@ -224,9 +224,7 @@ class LlamaForCausalLM(CausalLM):
         if arch == "qwen2":
             cfg["attention_bias"] = True
         if arch == "llama":
-            from convoy.models.moe import moe_config  # Mixtral: llama with experts
-
-            moe_config(arch, cfg, get)
+            moe_config(arch, cfg, get)  # Mixtral: llama with experts
 
     @classmethod
     def gguf_tensor(
@@ -243,3 +241,22 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (interleaved rope -> Hugging Face's rotate-half)."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def moe_config(arch: str, cfg: dict[str, Any], get: Callable[..., Any]) -> None:
+    """The expert keys of config.json from a GGUF's metadata (llama with experts: Mixtral)."""
+    experts = int(get("expert_count", 0) or 0)
+    if not experts:
+        return
+    cfg["num_experts_per_tok"] = int(get("expert_used_count"))
+    if arch == "llama":
+        cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
+        cfg["num_local_experts"] = experts
+        return
+    cfg["num_experts"] = experts
+    cfg["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+    # llama.cpp renormalises Qwen3-MoE's top-k weights, not Qwen2-MoE's (newer files say so)
+    cfg["norm_topk_prob"] = bool(get("expert_weights_norm", arch == "qwen3moe"))
+    if arch == "qwen2moe":
+        cfg["attention_bias"] = True
+        cfg["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))

@@ -39,7 +39,7 @@ from convoy.models.layers import (
     native_activation,
     token_embedding,
 )
-from convoy.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from convoy.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, moe_config
 
 
 class ExpertWeight(nn.Module):
@@ -313,22 +313,3 @@ class MoeForCausalLM(LlamaForCausalLM):
         if hf_name.endswith("shared_expert_gate.weight") and w.dim() == 1:
             return w.unsqueeze(0)  # some converters store the (1, H) gate as (H,)
         return super().gguf_tensor(arch, hf_name, w, cfg)
-
-
-def moe_config(arch: str, cfg: dict[str, Any], get: Callable[..., Any]) -> None:
-    """The expert keys of config.json from a GGUF's metadata (llama with experts: Mixtral)."""
-    experts = int(get("expert_count", 0) or 0)
-    if not experts:
-        return
-    cfg["num_experts_per_tok"] = int(get("expert_used_count"))
-    if arch == "llama":
-        cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
-        cfg["num_local_experts"] = experts
-        return
-    cfg["num_experts"] = experts
-    cfg["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
-    # llama.cpp renormalises Qwen3-MoE's top-k weights, not Qwen2-MoE's (newer files say so)
-    cfg["norm_topk_prob"] = bool(get("expert_weights_norm", arch == "qwen3moe"))
-    if arch == "qwen2moe":
-        cfg["attention_bias"] = True
-        cfg["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
