@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import hashlib
 import importlib.util
 import json
 import os
@@ -43,6 +44,10 @@ CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_OPENSSL=OFF",
+    # GGML_NATIVE turns on the AMX kernels on a CPU that has AMX, but a kernel or hypervisor
+    # that does not grant the tile state (arch_prctl XTILEDATA) kills llama-server with SIGSEGV
+    # in ggml_backend_amx_mul_mat at the first matmul (seen on a Sapphire Rapids VM): AMX off.
+    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
 ]  # fmt: skip
 
 
@@ -57,7 +62,8 @@ def cache_root() -> Path:
 
 def build_llama_server(cores: int) -> Path:
     """llama-server from llama-cpp-python's sdist, built once into the cache (temp dir, renamed)."""
-    final = cache_root() / f"llama-server-{LLAMA_CPP_PYTHON}"
+    flags = hashlib.sha256(" ".join(CMAKE_FLAGS).encode()).hexdigest()[:8]  # new flags: rebuild
+    final = cache_root() / f"llama-server-{LLAMA_CPP_PYTHON}-{flags}"
     binary = final / "llama-server"
     if binary.is_file():
         return binary
