@@ -5,7 +5,11 @@ loop's bits, and the bits of a row must not depend on the rows beside it or the 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from convoy import kernels
+from convoy.kernels import builder
 from convoy.kernels.ops import QUANT_BLOCKS
 from convoy.models.moe import QuantExperts
 
@@ -198,3 +203,35 @@ def test_moe_topk_ties_take_the_lower_expert_first() -> None:
     assert torch.equal(weights[1], torch.full((3,), 0.2))
     with pytest.raises(RuntimeError, match="k must be"):
         kernels.moe_topk(logits, 6, False)
+
+
+_CROSS_CHECK = """
+import sys, torch
+from convoy import kernels
+kernels.build()
+ex, x, ids, w, logits = torch.load(sys.argv[1], weights_only=False)
+torch.save([ex(x, ids, w), kernels.dense_linear(x, logits), kernels.moe_topk(x @ logits.T, 4, True)],
+           sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(builder.isa() in ("avx2", "generic"), reason="needs a host above AVX2")
+def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
+    """AVX2 without VNNI (the floor CI may run on): the experts and the router are this host's
+    bits (exact integer dots, the same float steps)."""
+    ex = _experts(Q.Q4_1, seed=25)
+    x, (ids, w) = _x(5, 26), _route(5, 3, 27)
+    router = torch.randn(E, H, generator=torch.Generator().manual_seed(28)) * 0.05
+    torch.save((ex, x, ids, w, router), tmp_path / "cases.pt")
+    env = {**os.environ, builder.ISA_ENV: "avx2"}
+    subprocess.run(
+        [sys.executable, "-c", _CROSS_CHECK, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+        env=env,
+        check=True,
+        timeout=900,
+    )
+    out, dense, (tw, tids) = torch.load(tmp_path / "out.pt")
+    assert torch.equal(out, ex(x, ids, w))
+    assert torch.equal(dense, kernels.dense_linear(x, router))
+    mine_w, mine_ids = kernels.moe_topk(x @ router.T, 4, True)
+    assert torch.equal(tids, mine_ids) and torch.equal(tw, mine_w)
