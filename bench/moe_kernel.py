@@ -1,7 +1,7 @@
 """The routed experts of one MoE layer: `kernels.moe_experts` (one call) against the per-expert
 Python loop (`QuantExperts.forward_loop`: quant_linear + act_and_mul + quant_linear per expert),
-and a dense quant_linear over as many weight bytes as the k experts of one row, for a GB/s
-reference. Default: an OLMoE-like layer, H 2048, intermediate 1024, 64 experts, top 8, Q4_0.
+and a dense quant_linear over as many weight bytes as the k experts of one row (in as many copies
+as the experts' bytes of all layers, used in turn), for a GB/s reference. Default: an OLMoE-like layer, H 2048, intermediate 1024, 64 experts, top 8, Q4_0.
 
     .venv/bin/python bench/moe_kernel.py                    # T = 1, 16, 64; 2 threads
     .venv/bin/python bench/moe_kernel.py --tokens 1 --threads 1 --repeats 50
@@ -123,13 +123,15 @@ def main() -> None:
     expert_bytes = (layers[0].gate_up.numel() + layers[0].down.numel()) // e
     # dense reference: one (k * (2i + h), h) Q4_0 weight = the bytes of k experts
     rows = k * (2 * i * h + h * i) // h
+    # as many copies as hold all the layers' experts: the host's L3 may hold a few (480 MB here)
+    copies = max(1, args.layers * e // k)
     dense = [quant_pack(q4_0_blocks((rows, h), gen), Q4_0, QUANT_KIND_Q4, h)
-             for _ in range(args.layers)]  # fmt: skip
+             for _ in range(copies)]  # fmt: skip
     dense_bytes = dense[0].numel()
     print(
         f"H {h}, intermediate {i}, {e} experts, top {k}, Q4_0, {args.threads} threads, "
         f"{args.layers} layer copies; {expert_bytes / 2**20:.2f} MiB an expert, "
-        f"dense reference {rows}x{h} ({dense_bytes / 2**20:.1f} MiB)"
+        f"dense reference {rows}x{h} ({dense_bytes / 2**20:.1f} MiB, {copies} copies)"
     )
     print("| T | what | median ms | min ms | MiB read | GB/s (median) |")
     print("|---|---|---|---|---|---|")

@@ -773,19 +773,18 @@ struct Segment {
   int64_t e, g0, g1;  // panels [g0, g1) of expert e
 };
 
-// The experts' (expert, panel) pairs in order, cut into about nt * kChunksPerThread chunks of equal
-// cost: a panel of expert e costs its row count + 1 (the weights stream once, each row is a dot
-// more). At T = 1 the k experts' panels spread over all threads as one dense linear's do.
+// The experts' (expert, panel) pairs in order, cut into at most `parts` chunks of equal cost: a
+// panel of expert e costs its row count + 1 (the weights stream once, each row is a dot more). At
+// T = 1 the k experts' panels spread over all threads as one dense linear's do.
 std::vector<std::vector<Segment>> expert_chunks(const std::vector<int64_t>& start, int64_t Gp,
-                                                int64_t nt) {
+                                                int64_t parts) {
   const int64_t E = static_cast<int64_t>(start.size()) - 1;
   int64_t total = 0;
   for (int64_t e = 0; e < E; ++e)
     if (start[e + 1] > start[e]) total += Gp * (start[e + 1] - start[e] + 1);
   std::vector<std::vector<Segment>> chunks;
   if (total == 0) return chunks;
-  const int64_t target = std::max<int64_t>(1, (total + nt * kChunksPerThread - 1) /
-                                                  (nt * kChunksPerThread));
+  const int64_t target = std::max<int64_t>(1, (total + parts - 1) / parts);
   std::vector<Segment> cur;
   int64_t acc = 0;
   for (int64_t e = 0; e < E; ++e) {
@@ -810,15 +809,21 @@ std::vector<std::vector<Segment>> expert_chunks(const std::vector<int64_t>& star
 }
 
 // One GEMM phase: for every expert, its sorted rows (int8 blocks row_blocks(i)) @ its Gp panels
-// (N outputs) -> out rows i (N floats each). One parallel region; threads take chunks from a
-// shared counter. Tiles as quant_linear's (kTileM rows, kMR a register tile, panel pairs from
-// kPairMinRows rows): the same bits whichever thread, tile or pairing runs an output.
+// (N outputs) -> out rows i (N floats each). One parallel region, split as quant_linear splits a
+// linear: every expert under kPairMinRows rows (memory-bound) -> one contiguous range of the
+// (expert, panel) sequence a thread; else chunks taken from a shared counter. Tiles as
+// quant_linear's (kTileM rows, kMR a register tile, panel pairs from kPairMinRows rows): the same
+// bits whichever thread, tile or pairing runs an output.
 template <typename RowBlocks>
 void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, int64_t nb,
                   int64_t N, const std::vector<int64_t>& start, const RowBlocks& row_blocks,
                   float* out) {
   const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
-  const std::vector<std::vector<Segment>> chunks = expert_chunks(start, Gp, nt);
+  int64_t most = 0;
+  for (size_t e = 0; e + 1 < start.size(); ++e) most = std::max(most, start[e + 1] - start[e]);
+  const bool many = most >= kPairMinRows;
+  const std::vector<std::vector<Segment>> chunks =
+      expert_chunks(start, Gp, many ? nt * kChunksPerThread : nt);
   const int64_t nchunks = static_cast<int64_t>(chunks.size());
   std::atomic<int64_t> next{0};
   const auto segment = [&](const Segment& sg) {
@@ -845,6 +850,13 @@ void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, 
       }
     }
   };
+  if (!many) {  // memory-bound: each thread streams one contiguous range of panels
+    at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c)
+        for (const Segment& sg : chunks[c]) segment(sg);
+    });
+    return;
+  }
   at::parallel_for(0, std::min(nt, nchunks), 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1))
       for (const Segment& sg : chunks[c]) segment(sg);
