@@ -203,6 +203,9 @@ def test_moe_topk_ties_take_the_lower_expert_first() -> None:
     assert torch.equal(weights[1], torch.full((3,), 0.2))
     with pytest.raises(RuntimeError, match="k must be"):
         kernels.moe_topk(logits, 6, False)
+    nan = torch.tensor([[0.0, float("nan"), 1.0, 2.0]])  # NaN rows still give k distinct ids
+    _, ids = kernels.moe_topk(nan, 3, True)
+    assert sorted(ids[0].tolist()) == ids[0].tolist() and len(set(ids[0].tolist())) == 3
 
 
 _CROSS_CHECK = """

@@ -88,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor> moe_topk(const at::Tensor& logits, int64_t k,
   float* wp = weights.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   at::parallel_for(0, T, std::max<int64_t>(1, 4096 / E), [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(static_cast<size_t>(E));
+    std::vector<float> p(static_cast<size_t>(E)), key(static_cast<size_t>(E));
     std::vector<int64_t> order(static_cast<size_t>(E));
     for (int64_t t = t0; t < t1; ++t) {
       const float* l = lp + t * E;
@@ -100,10 +100,13 @@ std::tuple<at::Tensor, at::Tensor> moe_topk(const at::Tensor& logits, int64_t k,
         sum += p[e];
       }
       for (int64_t e = 0; e < E; ++e) p[e] = p[e] / sum;
-      for (int64_t e = 0; e < E; ++e) order[e] = e;
+      for (int64_t e = 0; e < E; ++e) {
+        order[e] = e;
+        key[e] = std::isnan(p[e]) ? -INFINITY : p[e];  // a strict weak order even with NaNs
+      }
       // the larger probability first, the lower expert among equals
       std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
-        return p[a] > p[b] || (p[a] == p[b] && a < b);
+        return key[a] > key[b] || (key[a] == key[b] && a < b);
       });
       float* w = wp + t * k;
       int64_t* id = ip + t * k;
