@@ -97,6 +97,49 @@ def quant_dequant_rows(
     return torch.ops.convoy.quant_dequant_rows(packed, kind, in_features, ids)
 
 
+def moe_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_kind: int,
+    down: torch.Tensor,
+    down_kind: int,
+    intermediate: int,
+    act: int,
+) -> torch.Tensor:
+    """MoE routed experts on stacked quantized panels (csrc/quant_linear.cpp), in one call.
+
+    x (T, H) fp32; ids (T, k) int64 expert ids in [0, E) (repeats allowed); weights (T, k) fp32.
+    gate_up: every expert's gate|up panels stacked (expert e: panels [e * Gu, (e + 1) * Gu),
+    Gu = 2 * intermediate / 8) of `gate_up_kind`; down likewise (Gd = ceil(H / 8) each). Returns
+    (T, H) fp32: out = w0 * y0, then out = out + wj * yj for j = 1..k-1 (a rounded product, then a
+    rounded sum), yj = down_e(act(gate_e(x)) * up_e(x)), e = ids[:, j]: the bits of running
+    `quant_linear` and `act_and_mul` per expert, whatever the batch or the thread count.
+    """
+    return torch.ops.convoy.moe_experts(
+        x, ids, weights, gate_up, gate_up_kind, down, down_kind, intermediate, act
+    )
+
+
+# --- the MoE router (csrc/moe_router.cpp): batch invariant
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (T, H) fp32 @ w (E, H) fp32 .T -> (T, E) fp32, each output one dot in a fixed order
+    (32 fma lanes, then a fixed pairwise sum): the same bits whatever T, the other rows or the
+    threads."""
+    return torch.ops.convoy.dense_linear(x, w)
+
+
+def moe_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (T, E) fp32 -> (weights (T, k) fp32, ids (T, k) int64): softmax in fp32, the k
+    largest probabilities in descending order (among equal ones the lower expert first), divided
+    by their sum when `normalize`."""
+    weights, ids = torch.ops.convoy.moe_topk(logits, k, normalize)
+    return weights, ids
+
+
 # --- fused per-layer ops (csrc/fused_ops.cpp): fp32 or bf16 activations, rows split across threads
 
 

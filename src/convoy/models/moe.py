@@ -119,6 +119,19 @@ class QuantExperts(nn.Module):
         self.down_panels = self.down.shape[0] // self.num_experts
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (T, H), ids / weights (T, k) -> (T, H) fp32: `kernels.moe_experts`, one call for
+        all experts; the same bits as `forward_loop`."""
+        return kernels.moe_experts(
+            x.float().contiguous(), ids.contiguous(), weights.float().contiguous(),
+            self.gate_up, self.gate_up_kind, self.down, self.down_kind, self.intermediate,
+            self.act_id,
+        )  # fmt: skip
+
+    def forward_loop(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The reference `forward` is tested against: each expert's quant_linear, act_and_mul and
+        quant_linear over its rows, then the ranks combined in order."""
         x = x.float().contiguous()
         t, k = ids.shape
         order, counts = group_by_expert(ids, self.num_experts)

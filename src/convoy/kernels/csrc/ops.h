@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
 namespace convoy {
 
@@ -22,5 +23,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             int64_t window);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
                         const std::optional<at::Tensor>& bias);
+// MoE routed experts on stacked quant_linear panels (quant_linear.cpp): x (T, H) fp32, ids and
+// weights (T, k) int64 / fp32 -> (T, H) fp32, sum_j weights[:, j] * expert_{ids[:, j]}(x).
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                       const at::Tensor& gate_up, int64_t gate_up_kind, const at::Tensor& down,
+                       int64_t down_kind, int64_t inter, int64_t act);
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w);
+std::tuple<at::Tensor, at::Tensor> moe_topk(const at::Tensor& logits, int64_t k, bool normalize);
 
 }  // namespace convoy

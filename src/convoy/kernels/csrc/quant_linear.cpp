@@ -40,6 +40,8 @@
 #include <cstring>
 #include <optional>
 #include <vector>
+
+#include "activation.h"
 #include "ops.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -709,12 +711,252 @@ void quant_linear_out(const at::Tensor& x, const at::Tensor& packed, int64_t kin
   quant_linear_into(x, packed, kind, N, bias, out);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// MoE routed experts (moe_experts): every expert's panels stacked in one buffer (expert e owns
+// panels [e * Gp, (e + 1) * Gp) of each projection). The (T, k) routed slots are grouped by expert
+// (a stable counting sort), then the step runs as three passes over all experts at once:
+//   gate|up = x[rows of e] @ gate_up[e]   one parallel region, work items (expert, panel range)
+//   a = act(gate) * up, int8 blocks        one pass over the slots
+//   y = a @ down[e]                        one parallel region, as the first
+// and out[t] = w[t, 0] * y[t, 0], then out[t] = out[t] + w[t, j] * y[t, j] for j = 1..k-1 (a
+// rounded product, then a rounded sum, never an fma: torch's two ops in models/moe.py's loop).
+// Each output element runs the same panel code on the same int8 blocks as quant_linear over that
+// expert's rows, and x's rows are quantized once for all their experts: the result is the bits of
+// the per-expert quant_linear + act_and_mul loop, whatever T, the step's other rows or the threads.
+
+using convoy_act::act_mul_row;
+
+// NOTE: g++ contracts a * b + c into an fma by default (-ffp-contract=fast, C++ too, intrinsics
+// included), which would round once where torch's `out + w * y` rounds twice: the product is
+// forced out of the expression (an empty asm the compiler cannot see through).
+inline float rounded_product(float a, float b) {
+  float p = a * b;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  asm("" : "+x"(p));
+#elif defined(__GNUC__) && defined(__aarch64__)
+  asm("" : "+w"(p));
+#else
+  volatile float v = p;
+  p = v;
+#endif
+  return p;
+}
+
+// The routed slots grouped by expert: sorted position i (0..T*k) holds slot order[i] = t * k + j;
+// expert e owns positions [start[e], start[e + 1]); pos[t * k + j] is that slot's position.
+struct Routing {
+  std::vector<int64_t> start, token, pos;
+};
+
+Routing group_slots(const int64_t* ids, int64_t S, int64_t k, int64_t E) {
+  Routing r;
+  r.start.assign(E + 1, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ids[s] >= 0 && ids[s] < E, "moe_experts: expert id ", ids[s], " of slot ", s,
+                " out of range [0, ", E, ")");
+    ++r.start[ids[s] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) r.start[e + 1] += r.start[e];
+  std::vector<int64_t> fill(r.start.begin(), r.start.end() - 1);
+  r.token.resize(S);
+  r.pos.resize(S);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t i = fill[ids[s]]++;
+    r.token[i] = s / k;
+    r.pos[s] = i;
+  }
+  return r;
+}
+
+struct Segment {
+  int64_t e, g0, g1;  // panels [g0, g1) of expert e
+};
+
+// The experts' (expert, panel) pairs in order, cut into at most `parts` chunks of equal cost: a
+// panel of expert e costs its row count + 1 (the weights stream once, each row is a dot more). At
+// T = 1 the k experts' panels spread over all threads as one dense linear's do.
+std::vector<std::vector<Segment>> expert_chunks(const std::vector<int64_t>& start, int64_t Gp,
+                                                int64_t parts) {
+  const int64_t E = static_cast<int64_t>(start.size()) - 1;
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) total += Gp * (start[e + 1] - start[e] + 1);
+  std::vector<std::vector<Segment>> chunks;
+  if (total == 0) return chunks;
+  const int64_t target = std::max<int64_t>(1, (total + parts - 1) / parts);
+  std::vector<Segment> cur;
+  int64_t acc = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    const int64_t cost = n + 1;
+    for (int64_t g = 0; g < Gp;) {
+      int64_t take = std::max<int64_t>(1, (target - acc + cost - 1) / cost);
+      take = std::min(Gp - g, (take + kP - 1) / kP * kP);  // whole panel pairs
+      cur.push_back({e, g, g + take});
+      acc += take * cost;
+      g += take;
+      if (acc >= target) {
+        chunks.push_back(std::move(cur));
+        cur.clear();
+        acc = 0;
+      }
+    }
+  }
+  if (!cur.empty()) chunks.push_back(std::move(cur));
+  return chunks;
+}
+
+// One GEMM phase: for every expert, its sorted rows (int8 blocks row_blocks(i)) @ its Gp panels
+// (N outputs) -> out rows i (N floats each). One parallel region, split as quant_linear splits a
+// linear: every expert under kPairMinRows rows (memory-bound) -> one contiguous range of the
+// (expert, panel) sequence a thread; else chunks taken from a shared counter. Tiles as
+// quant_linear's (kTileM rows, kMR a register tile, panel pairs from kPairMinRows rows): the same
+// bits whichever thread, tile or pairing runs an output.
+template <typename RowBlocks>
+void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, int64_t nb,
+                  int64_t N, const std::vector<int64_t>& start, const RowBlocks& row_blocks,
+                  float* out) {
+  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  int64_t most = 0;
+  for (size_t e = 0; e + 1 < start.size(); ++e) most = std::max(most, start[e + 1] - start[e]);
+  const bool many = most >= kPairMinRows;
+  const std::vector<std::vector<Segment>> chunks =
+      expert_chunks(start, Gp, many ? nt * kChunksPerThread : nt);
+  const int64_t nchunks = static_cast<int64_t>(chunks.size());
+  std::atomic<int64_t> next{0};
+  const auto segment = [&](const Segment& sg) {
+    const ActBlock* rows[kMR];
+    const uint8_t* wg[kP];
+    const int64_t r0 = start[sg.e], n = start[sg.e + 1] - r0;
+    for (int64_t m0 = 0; m0 < n; m0 += kTileM) {
+      const int64_t m1 = std::min(n, m0 + kTileM);
+      const int64_t step = m1 - m0 >= kPairMinRows ? kP : 1;
+      for (int64_t g = sg.g0; g < sg.g1; g += step) {
+        const int64_t np = std::min(step, sg.g1 - g);
+        const int64_t lanes = std::min<int64_t>(R * np, N - g * R);
+        for (int64_t p = 0; p < np; ++p) wg[p] = wp + (sg.e * Gp + g + p) * gstride;
+        for (int64_t mi = m0; mi < m1; mi += kMR) {
+          const int64_t cnt = std::min(kMR, m1 - mi);
+          for (int64_t i = 0; i < cnt; ++i) rows[i] = row_blocks(r0 + mi + i);
+          float* o = out + (r0 + mi) * N + g * R;
+          if (np == kP) {
+            run_tile<kP>(kind, wg, nb, rows, cnt, o, N, lanes);
+          } else {
+            run_tile<1>(kind, wg, nb, rows, cnt, o, N, lanes);
+          }
+        }
+      }
+    }
+  };
+  if (!many) {  // memory-bound: each thread streams one contiguous range of panels
+    at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c)
+        for (const Segment& sg : chunks[c]) segment(sg);
+    });
+    return;
+  }
+  at::parallel_for(0, std::min(nt, nchunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1))
+      for (const Segment& sg : chunks[c]) segment(sg);
+  });
+}
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                       const at::Tensor& gate_up, int64_t gate_up_kind, const at::Tensor& down,
+                       int64_t down_kind, int64_t inter, int64_t act) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts: x must be (T, H) fp32");
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.size(0) == x.size(0),
+              "moe_experts: ids must be (T, k) int64");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.sizes() == ids.sizes(),
+              "moe_experts: weights must be (T, k) fp32, as ids");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kByte && down.dim() == 2 &&
+                  down.scalar_type() == at::kByte, "moe_experts: gate_up, down: uint8 panels");
+  TORCH_CHECK(act == 0 || act == 1, "moe_experts: act 0 (SiLU) or 1 (GELU tanh)");
+  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1);
+  TORCH_CHECK(k >= 1, "moe_experts: k >= 1 experts per row");
+  TORCH_CHECK(H > 0 && H % QK == 0, "moe_experts: hidden must be a multiple of 32");
+  TORCH_CHECK(inter > 0 && inter % QK == 0, "moe_experts: intermediate must be a multiple of 32");
+  const int64_t nbh = H / QK, nbi = inter / QK, N1 = 2 * inter;
+  const int64_t Gu = N1 / R, Gd = (H + R - 1) / R;
+  TORCH_CHECK(gate_up.size(0) % Gu == 0 && gate_up.size(0) > 0,
+              "moe_experts: gate_up panels are not a whole number of experts");
+  const int64_t E = gate_up.size(0) / Gu;
+  TORCH_CHECK(gate_up.size(1) == nbh * kind_block_bytes(gate_up_kind),
+              "moe_experts: gate_up panel size does not match hidden");
+  TORCH_CHECK(down.size(0) == E * Gd, "moe_experts: down holds ", down.size(0), " panels, not ",
+              E, " experts x ", Gd);
+  TORCH_CHECK(down.size(1) == nbi * kind_block_bytes(down_kind),
+              "moe_experts: down panel size does not match intermediate");
+  const at::Tensor xc = x.contiguous(), ic = ids.contiguous(), wc = weights.contiguous();
+  const at::Tensor gw = gate_up.contiguous(), dw = down.contiguous();
+  at::Tensor out = at::empty({T, H}, xc.options());
+  const int64_t S = T * k;
+  const Routing rt = group_slots(ic.data_ptr<int64_t>(), S, k, E);
+  if (T == 0) return out;
+
+  std::vector<ActBlock> xq(static_cast<size_t>(T * nbh));  // each row once, for all its experts
+  const float* xp = xc.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) quantize_row(xp + t * H, xq.data() + t * nbh, nbh);
+  });
+  std::vector<float> g(static_cast<size_t>(S * N1));
+  experts_gemm(gw.data_ptr<uint8_t>(), gw.size(1), Gu, gate_up_kind, nbh, N1, rt.start,
+               [&](int64_t i) { return xq.data() + rt.token[i] * nbh; }, g.data());
+
+  std::vector<ActBlock> aq(static_cast<size_t>(S * nbi));
+  at::parallel_for(0, S, 4, [&](int64_t i0, int64_t i1) {
+    std::vector<float> a(static_cast<size_t>(inter));
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* gi = g.data() + i * N1;
+      if (act == 0) {
+        act_mul_row<0>(gi, gi + inter, a.data(), inter);
+      } else {
+        act_mul_row<1>(gi, gi + inter, a.data(), inter);
+      }
+      quantize_row(a.data(), aq.data() + i * nbi, nbi);
+    }
+  });
+  std::vector<float> y(static_cast<size_t>(S * H));
+  experts_gemm(dw.data_ptr<uint8_t>(), dw.size(1), Gd, down_kind, nbi, H, rt.start,
+               [&](int64_t i) { return aq.data() + i * nbi; }, y.data());
+
+  const float* wt = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / (H * k)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* o = op + t * H;
+      for (int64_t j = 0; j < k; ++j) {
+        const float w = wt[t * k + j];
+        const float* yj = y.data() + rt.pos[t * k + j] * H;
+        int64_t h = 0;
+#ifdef CONVOY_AVX2
+        const __m256 vw = _mm256_set1_ps(w);
+        for (; h + 8 <= H; h += 8) {
+          __m256 p = _mm256_mul_ps(vw, _mm256_loadu_ps(yj + h));
+          asm("" : "+x"(p));  // the rounded product: no contraction into an fma
+          _mm256_storeu_ps(o + h, j == 0 ? p : _mm256_add_ps(_mm256_loadu_ps(o + h), p));
+        }
+#endif
+        for (; h < H; ++h) o[h] = j == 0 ? w * yj[h] : o[h] + rounded_product(w, yj[h]);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 namespace convoy {
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
                         const std::optional<at::Tensor>& bias) {
   return ::quant_linear(x, packed, kind, N, bias);
+}
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                       const at::Tensor& gate_up, int64_t gate_up_kind, const at::Tensor& down,
+                       int64_t down_kind, int64_t inter, int64_t act) {
+  return ::moe_experts(x, ids, weights, gate_up, gate_up_kind, down, down_kind, inter, act);
 }
 }  // namespace convoy
 
@@ -725,6 +967,9 @@ TORCH_LIBRARY_FRAGMENT(convoy, m) {
   m.def(
       "quant_linear_out(Tensor x, Tensor packed, int kind, int N, Tensor? bias, Tensor(a!) out) "
       "-> ()");
+  m.def(
+      "moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, int gate_up_kind, "
+      "Tensor down, int down_kind, int inter, int act) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(convoy, CPU, m) {
@@ -732,4 +977,5 @@ TORCH_LIBRARY_IMPL(convoy, CPU, m) {
   m.impl("quant_dequant_rows", &quant_dequant_rows);
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_linear_out", &quant_linear_out);
+  m.impl("moe_experts", &moe_experts);
 }
