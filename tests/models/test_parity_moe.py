@@ -5,6 +5,7 @@ Hugging Face folder and as a GGUF written from it (tests/models/gguf_from_hf.py)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -162,3 +163,71 @@ def test_moe_folder_quantized_at_load(tmp_path: Path) -> None:
     print(f"int{bits}: top-1 {top1:.3f}, ppl exact {ppl_exact:.2f} quant {ppl_quant:.2f}")
     assert top1 >= 0.8
     assert abs(ppl_quant / ppl_exact - 1) < 0.05
+
+
+def _decode_steps(model, cfg, prompts, steps: int) -> list[tuple[Any, ...]]:
+    """(ids, positions, meta, hidden out) of every all-decode step of a convoy_greedy run."""
+    captured: list[tuple[Any, ...]] = []
+    forward = model.forward
+
+    def capture(ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        out = forward(ids, positions, meta)
+        if meta.all_decode:
+            captured.append((ids.clone(), positions.clone(), meta, out.clone()))
+        return out
+
+    model.forward = capture
+    try:
+        convoy_greedy(model, cfg, prompts, steps=steps, native_decode=True)
+    finally:
+        del model.forward
+    return captured
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize(("kind", "qtype"), [
+    ("qwen2moe", Q.Q8_0), ("qwen3moe", Q.Q5_1), ("mixtral", Q.Q4_0),
+])  # fmt: skip
+def test_moe_fused_decode_layer(kind: str, qtype: Q, tmp_path: Path, monkeypatch) -> None:
+    """At a decode step every MoE layer is one kernel call (kernels.decode_moe_layer: attention,
+    router, top-k, the routed experts and the shared expert) with the bits of the per-op path,
+    and a sequence's hidden states are the same bits alone and beside others (batch invariant)."""
+    from convoy import kernels
+    from convoy.models import moe
+
+    ref = _reference(kind, gguf=True)
+    path = tmp_path / f"{kind}.gguf"
+    write_gguf(ref, GGUF_ARCH[kind], path, qtype)
+    resolved = resolved_gguf(path, tmp_path / "converted")
+    model = load_model(resolved, torch.float32, torch.device("cpu"), QUANT_TYPES)
+    model.use_native_kernels(True)
+    layers = [m for m in model.modules() if isinstance(m, moe.MoeDecoderLayer)]
+    assert layers and all(layer.fused_weights() is not None for layer in layers)
+    prompts = _prompts()[:3]
+    batch = _decode_steps(model, resolved.config, prompts, steps=4)
+    assert len(batch) == 3
+    calls: list[int] = []
+    real = kernels.decode_moe_layer
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(moe.kernels, "decode_moe_layer", counted)
+    with torch.inference_mode():
+        for ids, positions, meta, _ in batch:
+            calls.clear()
+            fused = model(ids, positions, meta)
+            assert len(calls) == len(layers)
+            for layer in layers:
+                layer.native = False  # its sublayers keep their native kernels
+            try:
+                per_op = model(ids, positions, meta)
+            finally:
+                for layer in layers:
+                    layer.native = True
+            assert torch.equal(fused, per_op)
+    alone = _decode_steps(model, resolved.config, prompts[1:2], steps=4)  # its own KV cache
+    for (_, _, _, together), (_, _, _, one) in zip(batch, alone, strict=True):
+        assert torch.equal(together[1], one[0])
+

@@ -213,3 +213,32 @@ def decode_layer(
         delta, residual, *weights, positions, cos, sin, k_cache, v_cache, slot_mapping,
         block_tables, lens, block_size, scale, window,
     )  # fmt: skip
+
+
+def decode_moe_layer(
+    delta: torch.Tensor | None,
+    residual: torch.Tensor,
+    weights: tuple[Any, ...],
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """`decode_layer` for a mixture-of-experts layer (csrc/decoder_layer.cpp): the same attention
+    half, then router (`dense_linear`), `moe_topk`, `moe_experts` and the optional shared expert
+    scaled by sigmoid(its gate), as models/moe.py `SparseMoe` runs them. weights: (eps, norm
+    offset, in_norm, q_norm, k_norm, ff_in_norm, qkv, qkv kind, qkv bias, o, o kind, H, Hkv, D,
+    act, router weight (E, hidden) fp32, top_k, normalize, experts gate_up, kind, experts down,
+    kind, expert intermediate, shared gate_up, kind, shared down, kind, shared intermediate,
+    shared gate weight (1, hidden)), the shared expert's None / 0 where there is none."""
+    return torch.ops.convoy.decode_moe_layer(
+        delta, residual, *weights, positions, cos, sin, k_cache, v_cache, slot_mapping,
+        block_tables, lens, block_size, scale, window,
+    )  # fmt: skip

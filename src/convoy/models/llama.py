@@ -115,6 +115,10 @@ class FusedDecodeLayer(nn.Module):
             self._fused = _fused_weights(self) or False
         return self._fused or None
 
+    def fused_kernel(self) -> Callable[..., torch.Tensor]:
+        """The kernels op `fused_weights` are the arguments of (a MoE layer has its own)."""
+        return kernels.decode_layer
+
     def fused_forward(
         self,
         delta: torch.Tensor | None,
@@ -132,7 +136,7 @@ class FusedDecodeLayer(nn.Module):
         attn = self.self_attn.attn
         cos, sin = self.self_attn.rotary.tables(positions)
         assert meta.decode_blocks is not None and meta.decode_lens is not None
-        return kernels.decode_layer(
+        return self.fused_kernel()(
             delta, residual, weights, positions, cos, sin, attn.k_cache, attn.v_cache,
             meta.slot_mapping, meta.decode_blocks.view(residual.shape[0], -1), meta.decode_lens,
             meta.block_size, attn.scale, attn.window or 0,

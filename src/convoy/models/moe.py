@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from convoy import kernels
-from convoy.kernels.linear import QuantParts, panel_kind, quantize_blocks
+from convoy.kernels.linear import QuantLinear, QuantParts, panel_kind, quantize_blocks
 from convoy.kernels.ops import PANEL_ROWS, quant_linear, quant_pack
 from convoy.model_config import ModelConfig
 from convoy.models.layers import (
@@ -261,10 +261,58 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         if cfg.is_moe_layer(layer_idx):
             self.mlp = SparseMoe(cfg)  # type: ignore[assignment]
 
+    def fused_kernel(self) -> Callable[..., torch.Tensor]:
+        return kernels.decode_moe_layer if isinstance(self.mlp, SparseMoe) else kernels.decode_layer
+
     def fused_weights(self) -> tuple[Any, ...] | None:
-        if isinstance(self.mlp, SparseMoe):
-            return None  # NOTE: the fused decode layer has no expert kernels yet
-        return super().fused_weights()
+        if not isinstance(self.mlp, SparseMoe):
+            return super().fused_weights()
+        if self._fused is None:
+            self._fused = _fused_moe_weights(self) or False
+        return self._fused or None
+
+
+def _fused_moe_weights(layer: MoeDecoderLayer) -> tuple[Any, ...] | None:
+    """kernels.decode_moe_layer's weights for a MoE layer whose linears and experts are all
+    quantized (the shared expert's too) and whose norms are fp32 of one eps; else None."""
+    attn, moe = layer.self_attn, layer.mlp
+    assert isinstance(moe, SparseMoe)
+    experts, shared, shared_gate = moe.experts, moe.shared_expert, moe.shared_expert_gate
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    linears: list[nn.Module] = [attn.qkv_proj, attn.o_proj]
+    if shared is not None:
+        linears += [shared.gate_up_proj, shared.down_proj]
+    if (
+        not isinstance(experts, QuantExperts)
+        or not all(isinstance(m, QuantLinear) for m in linears)
+        or any(m.bias is not None for m in linears[1:])  # type: ignore[union-attr]
+        or (shared is not None and shared.act_id != experts.act_id)
+        or any(n.weight.dtype != torch.float32 for n in norms)
+        or moe.gate.weight.dtype != torch.float32
+        or (shared_gate is not None and shared_gate.weight.dtype != torch.float32)
+        or len({(n.eps, n.offset) for n in norms}) != 1
+    ):
+        return None
+    qkv, o = attn.qkv_proj, attn.o_proj
+    assert isinstance(qkv, QuantLinear) and isinstance(o, QuantLinear)
+    shared_args: tuple[Any, ...] = (None, 0, None, 0, 0, None)
+    if shared is not None and shared_gate is not None:
+        gu, dn = shared.gate_up_proj, shared.down_proj
+        assert isinstance(gu, QuantLinear) and isinstance(dn, QuantLinear)
+        shared_args = (gu.packed, gu.panel_kind, dn.packed, dn.panel_kind, gu.out_features // 2,
+                       shared_gate.weight.contiguous())  # fmt: skip
+    in_norm = layer.input_layernorm
+    return (
+        in_norm.eps, in_norm.offset, in_norm.weight,
+        None if attn.q_norm is None else attn.q_norm.weight,
+        None if attn.k_norm is None else attn.k_norm.weight,
+        layer.post_attention_layernorm.weight, qkv.packed, qkv.panel_kind, qkv.bias, o.packed,
+        o.panel_kind, attn.num_heads, attn.num_kv_heads, attn.head_dim, experts.act_id,
+        moe.gate.weight.contiguous(), moe.top_k, moe.norm_topk, experts.gate_up,
+        experts.gate_up_kind, experts.down, experts.down_kind, experts.intermediate,
+        *shared_args,
+    )  # fmt: skip
 
 
 class MoeModel(nn.Module):

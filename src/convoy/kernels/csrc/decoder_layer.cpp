@@ -28,17 +28,16 @@ using OptTensor = std::optional<at::Tensor>;
 
 inline bool given(const OptTensor& t) { return t.has_value() && t->defined(); }
 
-at::Tensor decode_layer(
-    const OptTensor& delta, at::Tensor residual, double eps, double norm_offset,
+// The layer up to its feed-forward: returns ff_in_norm(residual += attention) (residual updated).
+at::Tensor attention_half(
+    const OptTensor& delta, at::Tensor& residual, double eps, double norm_offset,
     const at::Tensor& in_norm, const OptTensor& q_norm, const OptTensor& k_norm,
-    const OptTensor& attn_out_norm, const at::Tensor& ff_in_norm, const OptTensor& ff_out_norm,
-    const at::Tensor& qkv_w, int64_t qkv_kind, const OptTensor& qkv_bias, const at::Tensor& o_w,
-    int64_t o_kind, const at::Tensor& gate_up_w, int64_t gate_up_kind, const at::Tensor& down_w,
-    int64_t down_kind, int64_t H, int64_t Hkv, int64_t D, int64_t inter, int64_t act,
-    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size, double scale,
-    int64_t window) {
+    const OptTensor& attn_out_norm, const at::Tensor& ff_in_norm, const at::Tensor& qkv_w,
+    int64_t qkv_kind, const OptTensor& qkv_bias, const at::Tensor& o_w, int64_t o_kind,
+    int64_t H, int64_t Hkv, int64_t D, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& lens,
+    int64_t block_size, double scale, int64_t window) {
   TORCH_CHECK(residual.dim() == 2 && residual.scalar_type() == at::kFloat,
               "decode_layer: residual (T, hidden) fp32");
   TORCH_CHECK(given(q_norm) == given(k_norm), "decode_layer: q_norm and k_norm together");
@@ -60,12 +59,70 @@ at::Tensor decode_layer(
   at::Tensor attn =
       convoy::quant_linear(o.view({T, q_size}), o_w, o_kind, hidden, std::nullopt);
   if (given(attn_out_norm)) attn = convoy::rms_norm(attn, *attn_out_norm, eps, norm_offset);
-  h = convoy::add_rms_norm(attn, residual, ff_in_norm, eps, norm_offset);
+  return convoy::add_rms_norm(attn, residual, ff_in_norm, eps, norm_offset);
+}
+
+at::Tensor gated_mlp(const at::Tensor& h, const at::Tensor& gate_up_w, int64_t gate_up_kind,
+                     const at::Tensor& down_w, int64_t down_kind, int64_t inter, int64_t act) {
   const at::Tensor gate_up =
       convoy::quant_linear(h, gate_up_w, gate_up_kind, 2 * inter, std::nullopt);
-  at::Tensor out = convoy::quant_linear(convoy::act_and_mul(gate_up, act), down_w, down_kind,
-                                        hidden, std::nullopt);
+  return convoy::quant_linear(convoy::act_and_mul(gate_up, act), down_w, down_kind, h.size(1),
+                              std::nullopt);
+}
+
+at::Tensor decode_layer(
+    const OptTensor& delta, at::Tensor residual, double eps, double norm_offset,
+    const at::Tensor& in_norm, const OptTensor& q_norm, const OptTensor& k_norm,
+    const OptTensor& attn_out_norm, const at::Tensor& ff_in_norm, const OptTensor& ff_out_norm,
+    const at::Tensor& qkv_w, int64_t qkv_kind, const OptTensor& qkv_bias, const at::Tensor& o_w,
+    int64_t o_kind, const at::Tensor& gate_up_w, int64_t gate_up_kind, const at::Tensor& down_w,
+    int64_t down_kind, int64_t H, int64_t Hkv, int64_t D, int64_t inter, int64_t act,
+    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size, double scale,
+    int64_t window) {
+  const at::Tensor h = attention_half(
+      delta, residual, eps, norm_offset, in_norm, q_norm, k_norm, attn_out_norm, ff_in_norm,
+      qkv_w, qkv_kind, qkv_bias, o_w, o_kind, H, Hkv, D, positions, cos, sin, k_cache, v_cache,
+      slot_mapping, block_tables, lens, block_size, scale, window);
+  at::Tensor out = gated_mlp(h, gate_up_w, gate_up_kind, down_w, down_kind, inter, act);
   if (given(ff_out_norm)) out = convoy::rms_norm(out, *ff_out_norm, eps, norm_offset);
+  return out;
+}
+
+// A mixture-of-experts layer (models/moe.py SparseMoe, Llama attention): the attention half as
+// above, then router logits (dense_linear), top-k (moe_topk), every routed expert in one call
+// (moe_experts) and, where given, the shared expert scaled by sigmoid(its gate):
+//   out = experts(h) + sigmoid(h @ shared_gate.T) * shared(h)
+at::Tensor decode_moe_layer(
+    const OptTensor& delta, at::Tensor residual, double eps, double norm_offset,
+    const at::Tensor& in_norm, const OptTensor& q_norm, const OptTensor& k_norm,
+    const at::Tensor& ff_in_norm, const at::Tensor& qkv_w, int64_t qkv_kind,
+    const OptTensor& qkv_bias, const at::Tensor& o_w, int64_t o_kind, int64_t H, int64_t Hkv,
+    int64_t D, int64_t act, const at::Tensor& router_w, int64_t top_k, bool normalize,
+    const at::Tensor& experts_gate_up, int64_t experts_gate_up_kind,
+    const at::Tensor& experts_down, int64_t experts_down_kind, int64_t expert_inter,
+    const OptTensor& shared_gate_up, int64_t shared_gate_up_kind, const OptTensor& shared_down,
+    int64_t shared_down_kind, int64_t shared_inter, const OptTensor& shared_gate,
+    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size, double scale,
+    int64_t window) {
+  TORCH_CHECK(given(shared_gate_up) == given(shared_down) && given(shared_down) == given(shared_gate),
+              "decode_moe_layer: the shared expert's gate_up, down and gate together");
+  const at::Tensor h = attention_half(
+      delta, residual, eps, norm_offset, in_norm, q_norm, k_norm, std::nullopt, ff_in_norm,
+      qkv_w, qkv_kind, qkv_bias, o_w, o_kind, H, Hkv, D, positions, cos, sin, k_cache, v_cache,
+      slot_mapping, block_tables, lens, block_size, scale, window);
+  const auto [weights, ids] = convoy::moe_topk(convoy::dense_linear(h, router_w), top_k, normalize);
+  at::Tensor out = convoy::moe_experts(h, ids, weights, experts_gate_up, experts_gate_up_kind,
+                                       experts_down, experts_down_kind, expert_inter, act);
+  if (given(shared_gate_up)) {
+    const at::Tensor shared = gated_mlp(h, *shared_gate_up, shared_gate_up_kind, *shared_down,
+                                        shared_down_kind, shared_inter, act);
+    const at::Tensor gate = convoy::dense_linear(h, *shared_gate).sigmoid();
+    out = out.add(gate.mul(shared));
+  }
   return out;
 }
 
@@ -82,4 +139,20 @@ TORCH_LIBRARY_FRAGMENT(convoy, m) {
       "Tensor lens, int block_size, float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(convoy, CPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_FRAGMENT(convoy, m) {
+  m.def(
+      "decode_moe_layer(Tensor? delta, Tensor(a!) residual, float eps, float norm_offset, "
+      "Tensor in_norm, Tensor? q_norm, Tensor? k_norm, Tensor ff_in_norm, Tensor qkv_w, "
+      "int qkv_kind, Tensor? qkv_bias, Tensor o_w, int o_kind, int H, int Hkv, int D, int act, "
+      "Tensor router_w, int top_k, bool normalize, Tensor experts_gate_up, "
+      "int experts_gate_up_kind, Tensor experts_down, int experts_down_kind, int expert_inter, "
+      "Tensor? shared_gate_up, int shared_gate_up_kind, Tensor? shared_down, "
+      "int shared_down_kind, int shared_inter, Tensor? shared_gate, Tensor positions, "
+      "Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor lens, int block_size, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(convoy, CPU, m) {
+  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_moe_layer", &decode_moe_layer);
+}
