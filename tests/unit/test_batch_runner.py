@@ -184,6 +184,48 @@ async def test_a_crash_at_each_window_answers_every_line_exactly_once(
     db.close()
 
 
+async def test_a_slow_ledger_holds_the_next_lines_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a commit hangs, finished lines pile up only to PENDING_LINES (plus the window):
+    the feeder waits instead of running the whole batch ahead of its ledger; once the commit
+    returns, every line is answered exactly once."""
+    import threading
+
+    root = tmp_path / "data"
+    batch_id = _new_batch(root, 600)
+    real = BatchStore.commit
+    release, num_commits = threading.Event(), 0
+    lines = FakeLines()
+    calls_while_stuck: list[int] = []
+
+    def commit(self: BatchStore, bid: str, p: Any) -> None:
+        nonlocal num_commits
+        num_commits += 1
+        if num_commits == 2:  # the second commit hangs until the lines have had their chance
+            release.wait(timeout=30)
+        real(self, bid, p)
+
+    async def watch() -> None:
+        while num_commits < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # a long time for lines that answer at once
+        calls_while_stuck.append(lines.num_calls)
+        release.set()
+
+    monkeypatch.setattr(BatchStore, "commit", commit)
+    watcher = asyncio.create_task(watch())
+    db = await _run(root, lines, window=8)
+    await watcher
+    status, ids = _answers(db, batch_id)
+    assert status == "completed" and sorted(ids) == sorted(f"q{i}" for i in range(600))
+    # the first group + what was pending when the second commit took it + at most the cap and
+    # a window more
+    bound = 2 * (executor_mod.PENDING_LINES + 8) + executor_mod.PENDING_LINES + 8
+    assert calls_while_stuck and calls_while_stuck[0] <= bound < 600
+    db.close()
+
+
 async def test_a_ledger_that_cannot_commit_fails_the_batch_and_keeps_what_was_committed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

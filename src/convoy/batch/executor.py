@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 FLUSH_LINES = 64  # a commit (one fsync per part file + one transaction) every this many lines
 FLUSH_S = 0.25  # or this often, when lines finish slowly
+# Finished lines not yet committed, at most (plus the window): a ledger slower than the lines
+# (a slow disk, a busy machine) holds the next lines back instead of letting results pile up.
+PENDING_LINES = 2 * FLUSH_LINES
 PULL_LINES = 64  # lines pulled from the input in one worker-thread hop...
 PULL_BYTES = 1 << 20  # ...or fewer, once their bodies hold this many bytes
 
@@ -120,6 +123,9 @@ class BatchExecutor:
         try:
             async with contextlib.aclosing(pulled(iter(lines))) as feed:
                 async for line in feed:
+                    while len(run.pending) >= PENDING_LINES and not run.failure:
+                        run.drained.clear()
+                        await run.drained.wait()
                     await self._slots.acquire()
                     if run.failure:
                         self._slots.release()
@@ -152,6 +158,7 @@ class _Run:
         self.tasks: set[asyncio.Task[None]] = set()
         self.failure: list[BaseException] = []
         self.pending: list[LineResult] = []
+        self.drained = asyncio.Event()  # set whenever `pending` was taken for a commit
         self.stop = asyncio.Event()
 
     async def one(self, line: InputLine | LineResult, slots: asyncio.Semaphore) -> None:
@@ -183,12 +190,14 @@ class _Run:
             logger.error("batch results could not be committed: %s", e)
             self.failure.append(e if isinstance(e, LedgerError) else LedgerError(str(e)))
             self.pending.clear()
+            self.drained.set()
             for task in self.tasks:
                 task.cancel()
 
     async def _commit(self) -> None:
         if self.pending:
             group, self.pending = self.pending, []
+            self.drained.set()
             await self.ledger(group)
 
 
