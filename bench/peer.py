@@ -44,10 +44,14 @@ CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_OPENSSL=OFF",
-    # GGML_NATIVE turns on the AMX kernels on a CPU that has AMX, but a kernel or hypervisor
-    # that does not grant the tile state (arch_prctl XTILEDATA) kills llama-server with SIGSEGV
-    # in ggml_backend_amx_mul_mat at the first matmul (seen on a Sapphire Rapids VM): AMX off.
-    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    # -march=native turns on ggml's AMX kernels on a CPU that has AMX, but a kernel or
+    # hypervisor that does not grant the tile state kills llama-server with SIGSEGV in
+    # ggml_backend_amx_mul_mat at its first matmul (seen on a Sapphire Rapids VM). The GGML_AMX_*
+    # options apply only without GGML_NATIVE: the compiler is told instead (explicit -mno-*
+    # win over -march's set). `--no-repack` would avoid AMX too, but also llama.cpp's fastest
+    # x86 Q4_0 path, so it is not used.
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 ]  # fmt: skip
 
 
