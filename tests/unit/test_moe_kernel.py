@@ -238,3 +238,44 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
     assert torch.equal(dense, kernels.dense_linear(x, router))
     mine_w, mine_ids = kernels.moe_topk(x @ router.T, 4, True)
     assert torch.equal(tids, mine_ids) and torch.equal(tw, mine_w)
+
+
+def _dequantized(ex: QuantExperts, qtype: Q, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float weights (E, 2I, H) and (E, H, I) of `_experts(qtype, seed=seed)`'s blocks."""
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(seed)
+    gu, dn = [], []
+    for _ in range(ex.num_experts):
+        gu.append(dequantize(_blocks(2 * INTER, H, qtype, rng).numpy(), qtype))
+    for _ in range(ex.num_experts):
+        dn.append(dequantize(_blocks(H, INTER, qtype, rng).numpy(), qtype))
+    as_t = lambda ws: torch.from_numpy(np.stack(ws)).double()  # noqa: E731
+    return as_t(gu).view(ex.num_experts, 2 * INTER, H), as_t(dn).view(ex.num_experts, H, INTER)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_uneven_loads_against_a_dequantize_and_matmul_reference(qtype: Q) -> None:
+    """Row counts 1..300 where one expert takes every row and another none: within the int8
+    activation rounding of a float64 dequantize + matmul reference, and any leading rows of the
+    batch are the same bits run alone."""
+    seed = 21
+    ex = _experts(qtype, seed=seed)
+    gu, dn = _dequantized(ex, qtype, seed)
+    for t in (1, 5, 37, 300):
+        x = _x(t, 30 + t)
+        gen = torch.Generator().manual_seed(t)
+        ids = torch.stack([torch.zeros(t, dtype=torch.long),  # expert 0: every row
+                           torch.randint(1, E - 1, (t,), generator=gen)], 1)  # E-1: none
+        w = torch.rand(t, 2, generator=gen)
+        out = ex(x, ids, w)
+        ref = torch.zeros(t, H, dtype=torch.float64)
+        for j in range(2):
+            g = torch.einsum("th,tih->ti", x.double(), gu[ids[:, j]])
+            gate, up = g.chunk(2, dim=-1)
+            y = torch.einsum("ti,thi->th", F.silu(gate) * up, dn[ids[:, j]])
+            ref += w[:, j : j + 1].double() * y
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 0.02, (t, err)
+        for n in {1, t // 2, t - 1} - {0}:
+            assert torch.equal(ex(x[:n], ids[:n], w[:n]), out[:n]), (t, n)
