@@ -179,6 +179,21 @@ def test_dense_linear_matches_torch_and_is_batch_invariant(hidden: int, threads:
     assert torch.equal(kernels.dense_linear(x, w), out)
 
 
+def test_sigmoid_gate_is_torch_sigmoid_and_batch_invariant() -> None:
+    """Qwen2-MoE's shared-expert gate: one column, so torch.sigmoid over (T, 1) puts a row in the
+    vector body or in the scalar tail depending on T (different bits on AVX2); the kernel's are
+    the same whatever the batch."""
+    gen = torch.Generator().manual_seed(25)
+    w = torch.randn(1, 64, generator=gen) * 0.3
+    x = torch.randn(29, 64, generator=gen)
+    out = kernels.sigmoid_gate(x, w)
+    assert out.shape == (29, 1)
+    torch.testing.assert_close(out, torch.sigmoid(F.linear(x, w)), rtol=1e-6, atol=1e-7)
+    for start, size in ((0, 1), (3, 9), (12, 17), (28, 1)):
+        part = kernels.sigmoid_gate(x[start : start + size].contiguous(), w)
+        assert torch.equal(part, out[start : start + size])
+
+
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_moe_topk_matches_torch(k: int, normalize: bool) -> None:

@@ -35,6 +35,7 @@ from .ops import (
     quant_pack,
     rms_norm,
     rotary_cache,
+    sigmoid_gate,
 )
 
 __all__ = [
@@ -62,4 +63,5 @@ __all__ = [
     "quant_pack",
     "rms_norm",
     "rotary_cache",
+    "sigmoid_gate",
 ]

@@ -132,6 +132,12 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.convoy.dense_linear(x, w)
 
 
+def sigmoid_gate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sigmoid(dense_linear(x, w)), each element in scalar code: a row's bits never depend on
+    its place in the batch (torch.sigmoid runs a vector body and a scalar tail)."""
+    return torch.ops.convoy.sigmoid_gate(x, w)
+
+
 def moe_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) fp32 -> (weights (T, k) fp32, ids (T, k) int64): softmax in fp32, the k
     largest probabilities in descending order (among equal ones the lower expert first), divided

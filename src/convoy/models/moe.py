@@ -216,6 +216,13 @@ class Router(nn.Module):
             return kernels.dense_linear(x.contiguous(), self.weight.float().contiguous())
         return F.linear(x, self.weight)
 
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(self(x)); with the kernels on, each element in scalar code (torch.sigmoid's
+        vector body and scalar tail would make a row's bits depend on its place in the step)."""
+        if self.native and x.dtype == torch.float32:
+            return kernels.sigmoid_gate(x.contiguous(), self.weight.float().contiguous())
+        return torch.sigmoid(self.forward(x))
+
 
 class SparseMoe(nn.Module):
     """A MoE layer's feed-forward: router, top-k experts, an optional gated shared expert."""
@@ -248,7 +255,7 @@ class SparseMoe(nn.Module):
         weights, ids = self.route(x)
         out = self.experts.forward(x, ids, weights)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            gate = torch.sigmoid(self.shared_expert_gate.forward(x))
+            gate = self.shared_expert_gate.sigmoid(x)
             out = out + gate.to(out.dtype) * self.shared_expert.forward(x).to(out.dtype)
         return out.to(x.dtype)
 

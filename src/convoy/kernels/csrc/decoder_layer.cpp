@@ -120,7 +120,7 @@ at::Tensor decode_moe_layer(
   if (given(shared_gate_up)) {
     const at::Tensor shared = gated_mlp(h, *shared_gate_up, shared_gate_up_kind, *shared_down,
                                         shared_down_kind, shared_inter, act);
-    const at::Tensor gate = convoy::dense_linear(h, *shared_gate).sigmoid();
+    const at::Tensor gate = convoy::sigmoid_gate(h, *shared_gate);
     out = out.add(gate.mul(shared));
   }
   return out;

@@ -3,6 +3,7 @@
 // the batch size, and a logit one ulp off can swap two experts).
 //
 //   dense_linear(x, w)               x (T, H) fp32 @ w (E, H) fp32 .T -> (T, E) fp32
+//   sigmoid_gate(x, w)               sigmoid(dense_linear(x, w)), elementwise in scalar code
 //   moe_topk(logits, k, normalize)   softmax (fp32), top k (ties: the lower expert first),
 //                                    [weights /= their sum] -> (weights (T, k) fp32, ids int64)
 //
@@ -123,10 +124,21 @@ std::tuple<at::Tensor, at::Tensor> moe_topk(const at::Tensor& logits, int64_t k,
   return {weights, ids};
 }
 
+// sigmoid(dense_linear(x, w)), each element by the scalar 1 / (1 + expf(-g)): torch's sigmoid
+// takes a vector path for most elements and a scalar one for a tail, so an element's bits would
+// depend on where its row sits in the batch (Qwen2-MoE's shared-expert gate is one column).
+at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& w) {
+  at::Tensor g = dense_linear(x, w);
+  float* p = g.data_ptr<float>();
+  for (int64_t i = 0, n = g.numel(); i < n; ++i) p[i] = 1.f / (1.f + std::exp(-p[i]));
+  return g;
+}
+
 }  // namespace
 
 namespace convoy {
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) { return ::dense_linear(x, w); }
+at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& w) { return ::sigmoid_gate(x, w); }
 std::tuple<at::Tensor, at::Tensor> moe_topk(const at::Tensor& logits, int64_t k, bool normalize) {
   return ::moe_topk(logits, k, normalize);
 }
@@ -135,9 +147,11 @@ std::tuple<at::Tensor, at::Tensor> moe_topk(const at::Tensor& logits, int64_t k,
 TORCH_LIBRARY_FRAGMENT(convoy, m) {
   m.def("dense_linear(Tensor x, Tensor w) -> Tensor");
   m.def("moe_topk(Tensor logits, int k, bool normalize) -> (Tensor, Tensor)");
+  m.def("sigmoid_gate(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(convoy, CPU, m) {
   m.impl("dense_linear", &dense_linear);
   m.impl("moe_topk", &moe_topk);
+  m.impl("sigmoid_gate", &sigmoid_gate);
 }

@@ -29,6 +29,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                        const at::Tensor& gate_up, int64_t gate_up_kind, const at::Tensor& down,
                        int64_t down_kind, int64_t inter, int64_t act);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w);
+at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& w);
 std::tuple<at::Tensor, at::Tensor> moe_topk(const at::Tensor& logits, int64_t k, bool normalize);
 
 }  // namespace convoy
