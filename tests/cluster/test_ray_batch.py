@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import NODE_CPUS
+from tests.cluster.conftest import NODE_CPUS, require_ray
 from tests.e2e.helpers import MODEL, PROMPTS
 
-pytest.importorskip("ray", reason="the ray extra is not installed")
+require_ray()
 
 RUN_TIMEOUT_S = 240
 SHARD_LINES = 8

@@ -28,11 +28,12 @@ from openai import AsyncOpenAI, OpenAI
 
 from convoy.api.server import REPLICA_HEADER
 from convoy.engine.faults import ENV_VAR, request_fault
+from tests.cluster.conftest import require_ray
 from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.helpers import API_KEY, MODEL
 from tests.e2e.test_batches import chat_line, completion_line, results, submit, wait
 
-pytest.importorskip("ray.serve", reason="the ray extra is missing")
+require_ray("ray.serve")
 
 TIMEOUT_S = 60  # per request: an error must come well before this; a hang fails the test
 REPLACED_WITHIN_S = 120  # health checks every 2 s, then a fresh engine loads on a shared core
