@@ -6,6 +6,8 @@
       files/<file-id>  uploaded files and finished batch outputs, immutable once written
       tmp/             uploads in progress (emptied at start: a crash leaves only garbage here)
       batches/<id>/    output.part, error.part: a running batch's results, appended and fsynced
+      reserve          RESERVE_BYTES held back: when the disk fills, it is given up so that a
+                       batch's failure can still be recorded (then made again when space frees)
 
 NOTE: the database is the ledger. A file under files/ exists for every row in `files` (written,
 fsynced and renamed before its row is committed); a part file may hold bytes past the batch's
@@ -18,7 +20,9 @@ run reads; writes that commit go through `asyncio.to_thread` where they are on a
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 import shutil
 import sqlite3
@@ -30,6 +34,22 @@ from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+RESERVE_BYTES = 1 << 20  # room for a few SQLite commits (WAL pages) on an otherwise full disk
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether `e` (or what caused it) says the data disk has no room left."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return True
+        if isinstance(e, sqlite3.OperationalError) and "full" in str(e):
+            return True
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return False
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -113,6 +133,37 @@ class BatchDB:
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.executescript(_SCHEMA)
         self._mutex = threading.Lock()
+        self.keep_reserve()
+
+    # -- the reserve ----------------------------------------------------------------------------
+
+    def keep_reserve(self) -> bool:
+        """Make the reserve file if it is missing (best effort: False when there is no room)."""
+        path = self.root / "reserve"
+        if path.exists() and path.stat().st_size == RESERVE_BYTES:
+            return True
+        tmp = self.tmp_path("reserve")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(bytes(RESERVE_BYTES))  # written, not sparse: the blocks are taken
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if not is_disk_full(e):
+                raise
+            return False
+        return True
+
+    def release_reserve(self) -> bool:
+        """Give the reserve's space back to the disk (True if there was one)."""
+        path = self.root / "reserve"
+        if not path.exists():
+            return False
+        path.unlink()
+        logger.warning("the data disk is full: its %d-byte reserve was released", RESERVE_BYTES)
+        return True
 
     def close(self) -> None:
         with self._mutex:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from convoy.batch.db import BatchDB
+from convoy.batch.db import BatchDB, is_disk_full
 
 _COLUMNS = "id, bytes, created_at, filename, purpose"
 
@@ -39,11 +39,24 @@ def delete(db: BatchDB, file_id: str) -> bool | None:
 
     None (nothing deleted) when a batch in progress uses the file: checked in the same
     transaction, so a batch created meanwhile cannot lose its input.
+
+    On a full disk the delete itself needs room (SQLite's log): the data dir's reserve is given
+    up for it, and made again once the file's bytes are freed.
     """
+    try:
+        num_deleted = _delete_row(db, file_id)
+    except sqlite3.OperationalError as e:
+        if not (is_disk_full(e) and db.release_reserve()):
+            raise
+        num_deleted = _delete_row(db, file_id)
+    if num_deleted:
+        db.file_path(file_id).unlink(missing_ok=True)
+        db.keep_reserve()
+    return None if num_deleted is None else num_deleted > 0
+
+
+def _delete_row(db: BatchDB, file_id: str) -> int | None:
     with db.transaction() as conn:
         if db.file_in_use(file_id, conn):
             return None
-        num_deleted = conn.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
-    if num_deleted:
-        db.file_path(file_id).unlink(missing_ok=True)
-    return num_deleted > 0
+        return int(conn.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount)

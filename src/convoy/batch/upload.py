@@ -117,6 +117,7 @@ class Upload:
         except BaseException:
             final.unlink(missing_ok=True)
             raise
+        db.keep_reserve()  # given up when the disk filled: made again once there is room
         return row
 
     def discard(self) -> None:

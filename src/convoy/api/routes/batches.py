@@ -7,13 +7,14 @@ by a batch committing its lines, so the event loop never waits on either.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from functools import partial
 from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 
-from convoy.api.errors import APIError
+from convoy.api.errors import APIError, disk_full
 from convoy.api.protocol_batch import (
     COMPLETION_WINDOWS,
     ENDPOINTS,
@@ -21,6 +22,7 @@ from convoy.api.protocol_batch import (
     BatchCreateRequest,
     BatchList,
 )
+from convoy.batch.db import is_disk_full
 from convoy.batch.runner import BatchRunner
 from convoy.config import ServerConfig
 
@@ -52,7 +54,12 @@ def add_batch_routes(app: FastAPI, settings: ServerConfig) -> None:
             runner.store.create, body.endpoint, body.input_file_id, body.completion_window,
             body.metadata, settings.batch_window,
         )  # fmt: skip
-        batch = await asyncio.to_thread(create)
+        try:
+            batch = await asyncio.to_thread(create)
+        except (OSError, sqlite3.OperationalError) as e:
+            if not is_disk_full(e):
+                raise
+            raise disk_full("the batch was not created", e, None) from None
         if batch is None:
             file = await asyncio.to_thread(runner.db.get_file, body.input_file_id)
             if file is None:

@@ -7,17 +7,18 @@ mutex may be held by a batch committing its lines, so the event loop never waits
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from typing import Any, BinaryIO, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 
-from convoy.api.errors import APIError
+from convoy.api.errors import APIError, disk_full
 from convoy.api.protocol import ErrorResponse
 from convoy.api.protocol_batch import FILES_PATH, FileDeleted, FileList, FileObject
 from convoy.batch import files as store
-from convoy.batch.db import BatchDB, FileRow
+from convoy.batch.db import BatchDB, FileRow, is_disk_full
 from convoy.batch.upload import MAX_FORM_OVERHEAD, PURPOSES, Upload, file_too_large
 from convoy.config import ServerConfig
 
@@ -32,7 +33,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 _UPLOAD_DOCS: dict[str, Any] = {
-    "responses": _errors(400, 413, 503),
+    "responses": _errors(400, 413, 503, 507),
     "openapi_extra": {
         "requestBody": {
             "required": True,
@@ -150,8 +151,12 @@ async def _receive_upload(request: Request, db: BatchDB, max_file_bytes: int) ->
                 pending, num_pending = [], 0
         await asyncio.to_thread(upload.feed, pending)
         return await asyncio.to_thread(upload.commit, db)
+    except (OSError, sqlite3.OperationalError) as e:  # written, or its row committed
+        if not is_disk_full(e):
+            raise
+        raise disk_full("the file was not stored", e, "file") from None
     finally:
-        await asyncio.to_thread(upload.discard)
+        await asyncio.to_thread(upload.discard)  # nothing half-written stays
 
 
 def _file_object(row: FileRow) -> FileObject:
