@@ -300,6 +300,12 @@ class ServerConfig(_Config):
         " shorter for tests)",
         kind="positive",
     )
+    batch_retention: int | None = setting(
+        None,
+        "seconds a finished batch's output and error files are kept before they are deleted"
+        " (default: until deleted, as OpenAI; a batch's output_expires_after overrides it)",
+        kind="positive",
+    )
     log_level: str = setting(
         "info", "server log level (info: one line per request)", choices=LOG_LEVELS
     )

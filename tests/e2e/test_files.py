@@ -7,12 +7,14 @@
 - Listing is a cursor page (limit / after / order / purpose, has_more) the client pages through.
 - Bad purposes, missing fields, empty files and malformed bodies get 400 naming the field.
 - A second server on the same data folder answers 503 on /v1/files and still serves completions.
+- Expiry: an upload's expires_after, a batch's output_expires_after, --batch-retention sweeping.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from openai import OpenAI
 
 from tests.e2e.conftest import MAX_FILE_BYTES, Server, start_server, stop_server
 from tests.e2e.helpers import API_KEY, MODEL, complete, error_object
+from tests.e2e.test_batches import wait
 
 LINES = b"".join(
     json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
@@ -194,3 +197,61 @@ def test_a_second_server_on_the_same_folder_serves_no_files(
     finally:
         stop_server(second)
     assert client.files.list(limit=1).object == "list"  # the folder's owner was not disturbed
+
+
+def test_files_expire_after_what_the_upload_or_the_batch_says(
+    client: OpenAI, http: httpx.Client
+) -> None:
+    """expires_after on an upload (OpenAI's bounds: an hour to 30 days, anchored at
+    created_at) gives the file its expires_at; a batch's output_expires_after its outputs'."""
+    week = 7 * 86400
+    kept = client.files.create(file=("in.jsonl", LINES), purpose="batch",
+                               expires_after={"anchor": "created_at", "seconds": week})  # fmt: skip
+    assert kept.expires_at == kept.created_at + week
+    assert client.files.retrieve(kept.id).expires_at == kept.expires_at
+    assert client.files.create(file=("b.jsonl", LINES), purpose="batch").expires_at is None
+    for fields, param in (
+        ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "60"},
+         "expires_after.seconds"),
+        ({"expires_after[anchor]": "last_active_at", "expires_after[seconds]": "3600"},
+         "expires_after.anchor"),
+    ):  # fmt: skip
+        response = http.post("/v1/files", files={"file": ("x.jsonl", LINES)},
+                             data={"purpose": "batch", **fields})  # fmt: skip
+        assert error_object(response, 400)["param"] == param
+    batch = client.batches.create(
+        input_file_id=kept.id, endpoint="/v1/completions", completion_window="24h",
+        extra_body={"output_expires_after": {"anchor": "created_at", "seconds": 3600}},
+    )  # fmt: skip
+    done = wait(client, batch.id)
+    assert done.status == "completed" and done.output_file_id
+    output = client.files.retrieve(done.output_file_id)
+    assert output.expires_at == output.created_at + 3600
+    bad = http.post("/v1/batches", json={
+        "input_file_id": kept.id, "endpoint": "/v1/completions", "completion_window": "24h",
+        "output_expires_after": {"anchor": "created_at", "seconds": 1},
+    })  # fmt: skip
+    assert error_object(bad, 400)["param"] == "output_expires_after.seconds"
+
+
+def test_batch_retention_deletes_finished_outputs(tmp_path: Path) -> None:
+    """--batch-retention: a finished batch's output file is deleted that long after it was
+    made (bytes and row), its input file kept."""
+    args = [MODEL, "--device", "cpu", "--kv-cache-memory", "64MiB", "--batch-retention", "1"]
+    server = start_server(args, tmp_path)
+    try:
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+        source = client.files.create(file=("in.jsonl", LINES), purpose="batch")
+        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/completions",
+                                      completion_window="24h")  # fmt: skip
+        done = wait(client, batch.id)
+        assert done.status == "completed" and done.output_file_id
+        output_id = done.output_file_id
+        deadline = time.monotonic() + 30
+        while output_id in {f.id for f in client.files.list()}:
+            assert time.monotonic() < deadline, "the output outlived its retention"
+            time.sleep(0.2)  # polling interval: the sweep runs every second here
+        assert not (tmp_path / "data" / "files" / output_id).exists()
+        assert client.files.retrieve(source.id).expires_at is None
+    finally:
+        stop_server(server)

@@ -161,3 +161,44 @@ def test_a_line_loads_as_json_loads_does_and_keeps_its_body_text() -> None:
             assert got.body_text is not None and json.loads(got.body_text) == expected["body"]
         else:
             assert got.body_text is None
+
+
+def test_expired_files_are_swept_except_a_running_batchs_input(tmp_path: Path) -> None:
+    from convoy.batch import files
+
+    db = BatchDB(tmp_path / "data")
+    for i, expires in enumerate([100, 200, None, 100]):
+        db.file_path(f"f{i}").write_bytes(b"x\n")
+        with db.transaction() as conn:
+            db.insert_file(conn, FileRow(f"f{i}", 2, 0, "x.jsonl", "batch", expires))
+    store = BatchStore(db)
+    batch = store.create(EP, "f3", "24h", None, 60)  # validating: it holds its input
+    assert batch is not None
+    assert files.sweep_expired(db, now=99) == []
+    assert files.sweep_expired(db, now=150) == ["f0"]
+    assert not db.file_path("f0").exists() and db.get_file("f0") is None
+    assert store.move(batch.id, "failed", ["validating"])
+    assert files.sweep_expired(db, now=10**9) == ["f1", "f3"]  # f2 never expires
+    assert db.get_file("f2") is not None and db.get_file("f2").expires_at is None  # type: ignore[union-attr]
+    db.close()
+
+
+def test_an_older_database_gains_the_expiry_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    root = tmp_path / "data"
+    root.mkdir()
+    conn = sqlite3.connect(root / "convoy.db")
+    conn.execute(
+        "CREATE TABLE files (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL,"
+        " bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, filename TEXT NOT NULL,"
+        " purpose TEXT NOT NULL)"
+    )
+    conn.execute("INSERT INTO files (id, bytes, created_at, filename, purpose)"
+                 " VALUES ('old', 1, 5, 'a', 'batch')")  # fmt: skip
+    conn.commit()
+    conn.close()
+    db = BatchDB(root)
+    old = db.get_file("old")
+    assert old is not None and old.created_at == 5 and old.expires_at is None
+    db.close()

@@ -20,11 +20,19 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
 
+class ExpiresAfter(RequestModel):
+    """When files made from a request expire: `seconds` after their creation."""
+
+    anchor: str
+    seconds: int
+
+
 class BatchCreateRequest(RequestModel):
     input_file_id: str
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
 
     @field_validator("metadata")
     @classmethod

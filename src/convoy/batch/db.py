@@ -58,7 +58,8 @@ CREATE TABLE IF NOT EXISTS files (
     bytes INTEGER NOT NULL,
     created_at INTEGER NOT NULL,
     filename TEXT NOT NULL,
-    purpose TEXT NOT NULL
+    purpose TEXT NOT NULL,
+    expires_at INTEGER                       -- NULL: kept until deleted
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -82,7 +83,8 @@ CREATE TABLE IF NOT EXISTS batches (
     cached_tokens INTEGER NOT NULL DEFAULT 0,
     output_tokens INTEGER NOT NULL DEFAULT 0,
     output_bytes INTEGER NOT NULL DEFAULT 0,   -- committed length of batches/<id>/output.part
-    error_bytes INTEGER NOT NULL DEFAULT 0     -- committed length of batches/<id>/error.part
+    error_bytes INTEGER NOT NULL DEFAULT 0,    -- committed length of batches/<id>/error.part
+    output_expires_s INTEGER                   -- its output files expire this long after made
 );
 CREATE TABLE IF NOT EXISTS batch_lines (      -- the input lines (0-based) whose result is committed
     batch_id TEXT NOT NULL,
@@ -90,6 +92,9 @@ CREATE TABLE IF NOT EXISTS batch_lines (      -- the input lines (0-based) whose
     PRIMARY KEY (batch_id, line)
 ) WITHOUT ROWID;
 """
+
+# Columns added since the first schema: (table, column, type), added to older databases at open.
+_ADDED_COLUMNS = (("files", "expires_at", "INTEGER"), ("batches", "output_expires_s", "INTEGER"))
 
 # Statuses whose batch still uses its input file (its DELETE answers 409).
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
@@ -106,6 +111,7 @@ class FileRow:
     created_at: int
     filename: str
     purpose: str
+    expires_at: int | None = None
 
 
 class BatchDB:
@@ -132,6 +138,10 @@ class BatchDB:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.executescript(_SCHEMA)
+        for table, column, kind in _ADDED_COLUMNS:
+            have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         self._mutex = threading.Lock()
         self.keep_reserve()
 
@@ -205,14 +215,16 @@ class BatchDB:
     def insert_file(self, conn: sqlite3.Connection, row: FileRow) -> None:
         """Register a file whose bytes are already at `file_path(row.id)` (inside a transaction)."""
         conn.execute(
-            "INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES (?, ?, ?, ?, ?)",
-            (row.id, row.bytes, row.created_at, row.filename, row.purpose),
+            "INSERT INTO files (id, bytes, created_at, filename, purpose, expires_at)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (row.id, row.bytes, row.created_at, row.filename, row.purpose, row.expires_at),
         )
 
     def get_file(self, file_id: str) -> FileRow | None:
         row = self.read(
             lambda c: c.execute(
-                "SELECT id, bytes, created_at, filename, purpose FROM files WHERE id = ?",
+                "SELECT id, bytes, created_at, filename, purpose, expires_at FROM files"
+                " WHERE id = ?",
                 (file_id,),
             ).fetchone()
         )

@@ -9,7 +9,7 @@ from typing import Any
 
 from convoy.batch.db import BatchDB, is_disk_full
 
-_COLUMNS = "id, bytes, created_at, filename, purpose"
+_COLUMNS = "id, bytes, created_at, filename, purpose, expires_at"
 
 
 def page(
@@ -60,3 +60,20 @@ def _delete_row(db: BatchDB, file_id: str) -> int | None:
         if db.file_in_use(file_id, conn):
             return None
         return int(conn.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount)
+
+
+def expired(db: BatchDB, now: float) -> list[str]:
+    """Files whose expires_at has passed, oldest first."""
+    rows = db.read(
+        lambda c: c.execute(
+            "SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ? ORDER BY seq",
+            (int(now),),
+        ).fetchall()
+    )
+    return [r[0] for r in rows]
+
+
+def sweep_expired(db: BatchDB, now: float) -> list[str]:
+    """Delete the files past their expiry (those a batch in progress uses wait: it holds them);
+    returns the ids deleted."""
+    return [file_id for file_id in expired(db, now) if delete(db, file_id)]

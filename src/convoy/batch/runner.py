@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from functools import partial
 
 from convoy.api.protocol_batch import BatchError
+from convoy.batch import files
 from convoy.batch.db import BatchDB, FileRow, fsync_dir, is_disk_full
 from convoy.batch.executor import BatchExecutor, LedgerError, LineResult, line_error_result
 from convoy.batch.ledger import StoreLedger, cut_back
@@ -38,6 +39,7 @@ from convoy.engine.errors import EngineUnavailableError
 logger = logging.getLogger(__name__)
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+SWEEP_INTERVAL_S = 60  # how often expired files are looked for
 _UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 
 
@@ -48,21 +50,39 @@ def derived_file_id(batch_id: str, kind: str) -> str:
 
 class BatchRunner:
     def __init__(
-        self, db: BatchDB, executor: BatchExecutor, model: str, max_line_bytes: int
-    ) -> None:
+        self, db: BatchDB, executor: BatchExecutor, model: str, max_line_bytes: int,
+        retention_s: int | None = None,
+    ) -> None:  # fmt: skip
         self.db = db
         self.store = BatchStore(db)
         self.executor = executor
         self.model = model
         self.max_line_bytes = max_line_bytes
+        self.retention_s = retention_s  # batch outputs' default lifetime (None: until deleted)
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
+        self._sweeper: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Pick up every batch a previous run left unfinished, oldest first (at start-up)."""
+        """Pick up every batch a previous run left unfinished, oldest first (at start-up), and
+        start deleting files as they expire."""
         for batch_id in self.store.ids_in(_UNFINISHED):
             self.submit(batch_id)
         self.store.refresh_pending()
+        self._sweeper = asyncio.create_task(self._sweep(), name="expired files")
+
+    async def _sweep(self) -> None:
+        """Delete expired files (uploads' expires_after, batch outputs' retention), every
+        SWEEP_INTERVAL_S (or the retention, when shorter), in a worker thread."""
+        interval = min(SWEEP_INTERVAL_S, self.retention_s or SWEEP_INTERVAL_S)
+        while True:
+            try:
+                deleted = await asyncio.to_thread(files.sweep_expired, self.db, time.time())
+                if deleted:
+                    logger.info("deleted %d expired files: %s", len(deleted), ", ".join(deleted))
+            except Exception:  # noqa: BLE001 - a bad sweep is retried at the next interval
+                logger.exception("deleting expired files failed")
+            await asyncio.sleep(interval)
 
     def submit(self, batch_id: str) -> None:
         task = asyncio.create_task(self._drive(batch_id), name=f"batch {batch_id}")
@@ -86,6 +106,8 @@ class BatchRunner:
     async def stop(self) -> None:
         """Shutdown: stop every batch where it is (finished lines are committed first)."""
         self._stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         tasks = list(self.tasks.values())
         for task in tasks:
             task.cancel()
@@ -209,7 +231,7 @@ class BatchRunner:
         row = self.store.row(batch_id)
         assert row is not None
         folder = self.db.batch_dir(batch_id)
-        files, ids = [], {}
+        outputs, ids = [], {}
         sizes = {"output": row["output_bytes"], "error": row["error_bytes"]}
         for kind, size in sizes.items():
             file_id = derived_file_id(batch_id, kind)
@@ -226,11 +248,14 @@ class BatchRunner:
                 fsync_dir(dest.parent)
             if dest.exists():
                 name = f"{batch_id}_{kind}.jsonl"
-                files.append(FileRow(file_id, size, int(time.time()), name, "batch_output"))
+                made = int(time.time())
+                lifetime = row["output_expires_s"] or self.retention_s
+                expires = None if lifetime is None else made + lifetime
+                outputs.append(FileRow(file_id, size, made, name, "batch_output", expires))
                 ids[f"{kind}_file_id"] = file_id
         if errors is not None:
             ids["errors"] = errors
-        if self.store.move(batch_id, final, [current], files, **ids):
+        if self.store.move(batch_id, final, [current], outputs, **ids):
             shutil.rmtree(folder, ignore_errors=True)  # empty part files
 
 

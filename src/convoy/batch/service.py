@@ -81,7 +81,9 @@ def start_batches(
     if db is None:
         return
     executor = BatchExecutor(routes, window, metrics.on_result)
-    runner = BatchRunner(db, executor, model, settings.max_request_bytes)
+    runner = BatchRunner(
+        db, executor, model, settings.max_request_bytes, settings.batch_retention
+    )
     metrics.store = runner.store
     app.state.batch_runner = runner
     runner.start()

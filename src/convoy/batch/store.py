@@ -59,7 +59,7 @@ class BatchStore:
 
     def create(
         self, endpoint: str, input_file_id: str, window: str, metadata: dict[str, str] | None,
-        lifetime_s: int,
+        lifetime_s: int, output_expires_s: int | None = None,
     ) -> Batch | None:  # fmt: skip
         """A validating batch over `input_file_id`; None when no such file with purpose batch
         exists (checked in the same transaction, so a concurrent delete cannot slip between)."""
@@ -72,9 +72,10 @@ class BatchStore:
                 return None
             conn.execute(
                 "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status,"
-                " created_at, expires_at, metadata) VALUES (?, ?, ?, ?, 'validating', ?, ?, ?)",
+                " created_at, expires_at, metadata, output_expires_s)"
+                " VALUES (?, ?, ?, ?, 'validating', ?, ?, ?, ?)",
                 (batch_id, endpoint, input_file_id, window, now, now + lifetime_s,
-                 None if metadata is None else json.dumps(metadata)),
+                 None if metadata is None else json.dumps(metadata), output_expires_s),
             )  # fmt: skip
         batch = self.get(batch_id)
         assert batch is not None

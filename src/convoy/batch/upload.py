@@ -32,6 +32,22 @@ MAX_FIELD_BYTES = 1 << 10  # a form field other than `file` (purpose, expires_af
 # Form overhead allowed on top of --max-file-bytes: boundaries, part headers, small fields.
 MAX_FORM_OVERHEAD = 64 << 10
 USAGE = "send multipart/form-data with the fields `file` and `purpose`"
+# expires_after.seconds: OpenAI's bounds (an hour to 30 days), anchored at created_at.
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 86400
+
+
+def expiry_seconds(anchor: str | None, seconds: object, param: str) -> int:
+    """The seconds of an `expires_after` object ({anchor: created_at, seconds}), checked."""
+    if anchor != "created_at":
+        raise APIError(400, f"{param}.anchor must be 'created_at'", param=f"{param}.anchor")
+    try:
+        value = int(str(seconds))
+    except ValueError:
+        value = -1
+    if not MIN_EXPIRY_S <= value <= MAX_EXPIRY_S:
+        message = f"{param}.seconds must be an integer from {MIN_EXPIRY_S} to {MAX_EXPIRY_S}"
+        raise APIError(400, message, param=f"{param}.seconds")
+    return value
 
 
 def file_too_large(limit: int) -> APIError:
@@ -98,6 +114,12 @@ class Upload:
             raise APIError(400, "missing form field `file` (the file to upload)", param="file")
         if self.num_file_bytes == 0:
             raise APIError(400, "the file is empty", param="file")
+        created_at = int(time.time())
+        expires_at = None
+        if any(k.startswith("expires_after") for k in self.fields):
+            anchor = self.fields.get("expires_after[anchor]")
+            seconds = self.fields.get("expires_after[seconds]")
+            expires_at = created_at + expiry_seconds(anchor, seconds, "expires_after")
         self._out.flush()
         os.fsync(self._out.fileno())
         self._out.close()
@@ -107,9 +129,10 @@ class Upload:
         row = FileRow(
             id=self.file_id,
             bytes=self.num_file_bytes,
-            created_at=int(time.time()),
+            created_at=created_at,
             filename=self.filename or "file",
             purpose=purpose,
+            expires_at=expires_at,
         )
         try:
             with db.transaction() as conn:

@@ -24,6 +24,7 @@ from convoy.api.protocol_batch import (
 )
 from convoy.batch.db import is_disk_full
 from convoy.batch.runner import BatchRunner
+from convoy.batch.upload import expiry_seconds
 from convoy.config import ServerConfig
 
 
@@ -50,9 +51,13 @@ def add_batch_routes(app: FastAPI, settings: ServerConfig) -> None:
             raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
         if body.completion_window not in COMPLETION_WINDOWS:
             raise APIError(400, "completion_window must be '24h'", "completion_window")
+        after = body.output_expires_after
+        output_expires_s = None if after is None else expiry_seconds(
+            after.anchor, after.seconds, "output_expires_after"
+        )
         create = partial(
             runner.store.create, body.endpoint, body.input_file_id, body.completion_window,
-            body.metadata, settings.batch_window,
+            body.metadata, settings.batch_window, output_expires_s,
         )  # fmt: skip
         try:
             batch = await asyncio.to_thread(create)

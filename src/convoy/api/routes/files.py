@@ -162,7 +162,7 @@ async def _receive_upload(request: Request, db: BatchDB, max_file_bytes: int) ->
 def _file_object(row: FileRow) -> FileObject:
     return FileObject(
         id=row.id, bytes=row.bytes, created_at=row.created_at, filename=row.filename,
-        purpose=row.purpose,
+        purpose=row.purpose, expires_at=row.expires_at,
     )  # fmt: skip
 
 
