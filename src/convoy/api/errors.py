@@ -34,12 +34,6 @@ _TYPES = {
 _CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large"}
 
 
-def disk_full(what: str, e: BaseException, param: str | None) -> APIError:
-    """507 for a request that needed room on the data disk and found none."""
-    message = f"the server's data disk is full: {what} ({e})"
-    return APIError(507, message, param=param, code="insufficient_storage")
-
-
 class APIError(Exception):
     """An error answered with an HTTP status and an OpenAI error object."""
 
@@ -62,6 +56,12 @@ class APIError(Exception):
         err_type = _TYPES.get(self.status, "invalid_request_error")
         info = ErrorInfo(message=self.message, type=err_type, param=self.param, code=self.code)
         return ErrorResponse(error=info)
+
+
+def disk_full(what: str, e: BaseException, param: str | None) -> APIError:
+    """507 for a request that needed room on the data disk and found none."""
+    message = f"the server's data disk is full: {what} ({e})"
+    return APIError(507, message, param=param, code="insufficient_storage")
 
 
 class BodyTooLarge(StarletteHTTPException):

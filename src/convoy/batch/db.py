@@ -166,6 +166,16 @@ class BatchDB:
             return False
         return True
 
+    def with_reserve(self, fn: Callable[[], T]) -> T:
+        """`fn()`; if it fails for want of room, once more with the reserve given up (for the
+        writes that must get through on a full disk: a failure recorded, a delete)."""
+        try:
+            return fn()
+        except (OSError, sqlite3.OperationalError) as e:
+            if not (is_disk_full(e) and self.release_reserve()):
+                raise
+        return fn()
+
     def release_reserve(self) -> bool:
         """Give the reserve's space back to the disk (True if there was one)."""
         path = self.root / "reserve"

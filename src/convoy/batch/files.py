@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from convoy.batch.db import BatchDB, is_disk_full
+from convoy.batch.db import BatchDB
 
 _COLUMNS = "id, bytes, created_at, filename, purpose, expires_at"
 
@@ -43,12 +43,7 @@ def delete(db: BatchDB, file_id: str) -> bool | None:
     On a full disk the delete itself needs room (SQLite's log): the data dir's reserve is given
     up for it, and made again once the file's bytes are freed.
     """
-    try:
-        num_deleted = _delete_row(db, file_id)
-    except sqlite3.OperationalError as e:
-        if not (is_disk_full(e) and db.release_reserve()):
-            raise
-        num_deleted = _delete_row(db, file_id)
+    num_deleted = db.with_reserve(lambda: _delete_row(db, file_id))
     if num_deleted:
         db.file_path(file_id).unlink(missing_ok=True)
         db.keep_reserve()

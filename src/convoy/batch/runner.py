@@ -29,7 +29,7 @@ from functools import partial
 
 from convoy.api.protocol_batch import BatchError
 from convoy.batch import files
-from convoy.batch.db import BatchDB, FileRow, fsync_dir, is_disk_full
+from convoy.batch.db import BatchDB, FileRow, fsync_dir
 from convoy.batch.executor import BatchExecutor, LedgerError, LineResult, line_error_result
 from convoy.batch.ledger import StoreLedger, cut_back
 from convoy.batch.lines import InputLine, LineError, request_lines, validate
@@ -193,16 +193,11 @@ class BatchRunner:
         logger.error("batch %s failed: %s", batch_id, e)
         error = BatchError(code="ledger_failed", message=f"results could not be recorded: {e}")
         errors = json.dumps([error.model_dump()])
-        for attempt in range(2):
-            try:
-                await asyncio.to_thread(self._finalize_failed, batch_id, errors)
-                return
-            except Exception as err:  # noqa: BLE001 - recorded below or retried
-                # A full disk: the reserve's room lets the failure be recorded (once).
-                if attempt == 0 and is_disk_full(err) and self.db.release_reserve():
-                    continue
-                logger.exception("batch %s: its failure could not be recorded either", batch_id)
-                return
+        record = partial(self._finalize_failed, batch_id, errors)
+        try:  # on a full disk, in the reserve's room
+            await asyncio.to_thread(self.db.with_reserve, record)
+        except Exception:
+            logger.exception("batch %s: its failure could not be recorded either", batch_id)
 
     def _lines(
         self, batch_id: str, endpoint: str, file_id: str
