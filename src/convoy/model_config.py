@@ -28,6 +28,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0  # rope on this fraction of each head's dims (Phi-4-mini)
     qkv_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
@@ -75,6 +76,14 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // num_heads
         model_type = raw.get("model_type", "")
         rope_theta, rope_local, rope_scaling = _rope_fields(raw)
+        if rope_scaling is not None and raw.get("original_max_position_embeddings"):
+            rope_scaling.setdefault(  # Phi-3 keeps it beside the scaling (LongRoPE)
+                "original_max_position_embeddings", raw["original_max_position_embeddings"]
+            )
+        params = raw.get("rope_parameters")
+        partial = raw.get("partial_rotary_factor") or (
+            params.get("partial_rotary_factor") if isinstance(params, dict) else None
+        )
         num_layers = raw["num_hidden_layers"]
         layer_types = list(raw.get("layer_types") or [])
         sliding_window = raw.get("sliding_window")
@@ -104,6 +113,7 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            partial_rotary_factor=float(partial or 1.0),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(raw.get("attention_bias") or raw.get("qkv_bias"))

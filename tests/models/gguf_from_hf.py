@@ -6,6 +6,7 @@ No tokenizer is written: `resolved_gguf` builds the converted folder's config.js
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ _LAYER = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "self_attn.qkv_proj": "attn_qkv",  # phi3: fused in the checkpoint and in the GGUF
+    "mlp.gate_up_proj": "ffn_up",  # phi3: gate rows, then up rows
 }
 _EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 _MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -71,6 +74,9 @@ def write_gguf(model: Any, arch: str, path: Path, qtype: GGMLQuantizationType) -
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", 0):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+    if arch == "phi3":
+        _phi3_metadata(w, cfg, head_dim)
 
     def put(name: str, t: np.ndarray) -> None:
         t = np.ascontiguousarray(t.astype(np.float32))
@@ -119,6 +125,23 @@ def write_gguf(model: Any, arch: str, path: Path, qtype: GGMLQuantizationType) -
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _phi3_metadata(w: GGUFWriter, cfg: Any, head_dim: int) -> None:
+    """llama.cpp's Phi3MiniModel: rope dims, window (0: none), LongRoPE's original context,
+    attention factor and factor tensors."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    w.add_sliding_window(cfg.sliding_window or 0)
+    if rope.get("rope_type") != "longrope":
+        return
+    orig = rope.get("original_max_position_embeddings") or cfg.original_max_position_embeddings
+    w.add_rope_scaling_orig_ctx_len(orig)
+    factor = cfg.max_position_embeddings / orig
+    scale = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
+    w.add_rope_scaling_attn_factors(rope.get("attention_factor") or scale)
+    w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+    w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
 
 
 def resolved_gguf(path: Path, out: Path) -> ResolvedModel:

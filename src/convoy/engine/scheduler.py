@@ -340,6 +340,7 @@ def _scheduled_seq(req: Request, num_new: int) -> ScheduledSeq:
     """The worker's view of one scheduled sequence."""
     start = req.num_computed_tokens
     seq = ScheduledSeq(req.req_id, req.token_ids[start : start + num_new], start, req.block_table)
+    seq.prompt_len = req.num_prompt_tokens
     seq.scoring = _scoring(req, start, num_new)
     if start + num_new == req.num_tokens:
         p = req.params

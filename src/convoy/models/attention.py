@@ -60,6 +60,8 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None  # (Bd,) context length per decode sequence
     all_decode: bool = False  # every token of the step is a decode token, in order
     native_decode: bool = False  # use convoy.kernels.decode_attention (CPU fp32/bf16)
+    # (T,) prompt length of each token's sequence (LongRoPE's short/long switch, phi3.py)
+    prompt_lens: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:

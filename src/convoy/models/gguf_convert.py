@@ -9,6 +9,8 @@ turned back into Hugging Face's:
     token_embd                model.embed_tokens
     blk.N.attn_q / _k / _v    model.layers.N.self_attn.q_proj / k_proj / v_proj  (llama: rows un-permuted)
     blk.N.ffn_norm            ...post_attention_layernorm (llama) | ...pre_feedforward_layernorm (gemma3)
+    blk.N.attn_qkv / ffn_up   ...self_attn.qkv_proj / mlp.gate_up_proj  (phi3: fused in both)
+    rope_factors_long/_short  config.json rope_scaling long_factor / short_factor  (phi3 LongRoPE)
     output_norm / output      model.norm / lm_head
 
 What differs by family (config keys, storage conventions of some tensors) is the family's own
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from convoy.models.layers import CausalLM
+from convoy.models.phi3 import gguf_rope_factors
 from convoy.models.registry import GGUF_FAMILIES, gguf_family
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,7 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+CONFIG_TENSORS = ("rope_factors_long.", "rope_factors_short.")
 
 
 class ModelLoadError(RuntimeError):
@@ -145,6 +149,9 @@ def _config(reader: Any, arch: str, family: type[CausalLM]) -> dict[str, Any]:
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    factors = {t.name: t.data for t in reader.tensors if t.name.startswith(CONFIG_TENSORS)}
+    if factors:  # phi3's LongRoPE factor lists: config, not weights
+        cfg["rope_scaling"] = gguf_rope_factors(factors)
     family.gguf_config(arch, cfg, get)
     return cfg
 
@@ -156,6 +163,8 @@ def _tensors(
 
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name.startswith(CONFIG_TENSORS):
+            continue  # in config.json (_config)
         hf_name = hf_tensor_name(t.name, family)
         if hf_name is None:
             raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
@@ -178,7 +187,9 @@ def hf_tensor_name(name: str, family: type[CausalLM]) -> str | None:
     if parts[0] != "blk" or len(parts) != 4:
         return None
     layer, piece, kind = parts[1], parts[2], parts[3]
-    target = family.gguf_ffn_norm if piece == "ffn_norm" else _LAYER_NAMES.get(piece)
+    target = family.gguf_layer_names.get(piece)
+    if target is None:
+        target = family.gguf_ffn_norm if piece == "ffn_norm" else _LAYER_NAMES.get(piece)
     return None if target is None else f"model.layers.{layer}.{target}.{kind}"
 
 

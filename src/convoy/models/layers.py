@@ -39,6 +39,7 @@ class CausalLM(nn.Module):
     # GGUF conversion (gguf_convert.py): llama.cpp architecture -> (HF model_type, HF class name)
     gguf_architectures: dict[str, tuple[str, str]] = {}
     gguf_ffn_norm = "post_attention_layernorm"  # where llama.cpp's blk.N.ffn_norm belongs
+    gguf_layer_names: dict[str, str] = {}  # blk.N pieces named otherwise in this family (phi3)
 
     def __init__(self, cfg: ModelConfig, model: nn.Module) -> None:
         super().__init__()

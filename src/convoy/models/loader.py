@@ -41,6 +41,7 @@ from convoy.config import ConfigError
 from convoy.kernels.linear import QuantLinear, QuantParts, gather_in_huge_pages, use_quantized
 from convoy.model_config import ModelConfig
 from convoy.models.gguf_convert import (
+    CONFIG_TENSORS,
     ModelLoadError,
     _config,
     _save_tokenizer,
@@ -346,6 +347,8 @@ def _gguf_tensors(
     state: dict[str, torch.Tensor] = {}
     shards: dict[str, dict[int, torch.Tensor]] = {}
     for t in reader.tensors:
+        if t.name.startswith(CONFIG_TENSORS):
+            continue  # in config.json
         hf_name = hf_tensor_name(t.name, family)
         if hf_name is None:
             raise ModelLoadError(f"{resolved.weights_path}: unexpected tensor {t.name!r}")

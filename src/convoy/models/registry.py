@@ -8,6 +8,7 @@ from convoy.models.gemma3 import Gemma3ForCausalLM
 from convoy.models.layers import CausalLM
 from convoy.models.llama import LlamaForCausalLM
 from convoy.models.moe import MoeForCausalLM
+from convoy.models.phi3 import Phi3ForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,6 +19,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 GGUF_FAMILIES: dict[str, type[CausalLM]] = {

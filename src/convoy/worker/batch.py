@@ -48,6 +48,7 @@ class ScheduledSeq:
     block_table: list[int]
     sampling: SamplerRow | None = None  # set when the last new token samples
     scoring: PromptScoring | None = None  # set when this chunk scores prompt tokens
+    prompt_len: int = 0  # the request's prompt tokens; 0: unknown, taken as start_pos + new
 
     @property
     def need_logits(self) -> bool:

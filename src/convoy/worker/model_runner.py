@@ -96,10 +96,12 @@ class ModelRunner:
         decode_idx: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        prompt_lens: list[int] = []
         for s in seqs:
             start, n, table = s.start_pos, len(s.token_ids), s.block_table
             flat = len(ids)
             ids.extend(s.token_ids)
+            prompt_lens.extend([s.prompt_len or start + n] * n)
             pos.extend(range(start, start + n))
             slot_map.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
@@ -124,6 +126,7 @@ class ModelRunner:
             decode_blocks=None,
             decode_len_max=0,
             decode_lens=None,
+            prompt_lens=torch.tensor(prompt_lens, dtype=torch.long, device=dev),
         )
         if decode_idx:
             meta.decode_idx = torch.tensor(decode_idx, dtype=torch.long, device=dev)
