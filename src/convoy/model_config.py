@@ -56,6 +56,14 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def rope_switch_len(self) -> int | None:
+        """LongRoPE (phi3.py): prompts longer than this take the long factors at every
+        position, so their K/V differ from a shorter prompt's with the same prefix."""
+        scaling = self.rope_scaling
+        if not scaling or scaling.get("rope_type") not in ("longrope", "su"):
+            return None
+        return int(scaling["original_max_position_embeddings"])
+
     @classmethod
     def from_file(cls, path: Path) -> ModelConfig:
         with open(path) as f:

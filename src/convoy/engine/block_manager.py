@@ -36,12 +36,15 @@ _NO_SALT = bytes(32)
 
 
 def hash_prompt_blocks(
-    token_ids: list[int], block_size: int, cache_salt: str | None = None
+    token_ids: list[int], block_size: int, cache_salt: str | None = None, variant: bytes = b""
 ) -> list[bytes]:
-    """Chained SHA-256 digests of the full blocks of a prompt, the first one salted if asked."""
+    """Chained SHA-256 digests of the full blocks of a prompt, the first one salted if asked.
+    `variant`: what else the blocks' K/V depend on (LongRoPE's factor set, by prompt length)."""
     parent = _NO_SALT
     if cache_salt is not None:
         parent = hashlib.sha256(b"convoy cache_salt\0" + cache_salt.encode()).digest()
+    if variant:
+        parent = hashlib.sha256(b"convoy variant\0" + variant + b"\0" + parent).digest()
     ids = array("q", token_ids)  # every id as 8 bytes, one copy
     step = block_size * ids.itemsize
     data = memoryview(ids).cast("B")

@@ -46,6 +46,7 @@ class EngineCore:
             self.worker.num_blocks * block_size,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.scheduler.rope_switch_len = model_cfg.rope_switch_len()
         self.eos_token_ids = self._eos_ids(family.extra_stop_tokens)
         # Structured outputs: compiled in callers' threads, matched here (`_constrain`).
         self.grammars = GrammarCompiler(

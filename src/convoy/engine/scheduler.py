@@ -67,6 +67,9 @@ class Scheduler:
         self._interactive_seen = -math.inf  # when interactive work was last present
         self.max_model_len = max_model_len
         self.bm = block_manager
+        # Prompts longer than this compute all their K/V otherwise (LongRoPE's long factors):
+        # their prompt blocks are hashed apart (ModelConfig.rope_switch_len; EngineCore sets it)
+        self.rope_switch_len: int | None = None
         self.requests: dict[str, Request] = {}  # every sequence not yet finished
         self.interactive = SeqQueues()
         self.batch = SeqQueues()
@@ -321,7 +324,11 @@ class Scheduler:
     def _hashes(self, req: Request) -> list[bytes]:
         if not self.bm.enable_prefix_caching:
             return []
-        return hash_prompt_blocks(req.prompt_token_ids, self.bm.block_size, req.params.cache_salt)
+        switch = self.rope_switch_len
+        variant = b"long rope" if switch is not None and req.num_prompt_tokens > switch else b""
+        return hash_prompt_blocks(
+            req.prompt_token_ids, self.bm.block_size, req.params.cache_salt, variant
+        )
 
 
 def _grammar_ends(req: Request, token_id: int) -> bool:
