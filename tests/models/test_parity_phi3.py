@@ -225,10 +225,22 @@ def test_phi3_gguf_quantized(tmp_path: Path, qtype: Q) -> None:
     assert fused == per_op
 
 
-def test_phi3_partial_rotary_refused(tmp_path: Path) -> None:
-    """Phi-4-mini's partial_rotary_factor (rope on 75% of each head) is refused by name."""
-    ref = _reference(partial=0.75)
-    ref.save_pretrained(tmp_path)
-    resolved = resolve_model(str(tmp_path))
+def test_phi3_partial_rotary_parity(tmp_path: Path) -> None:
+    """Phi-4-mini's partial_rotary_factor (0.75: rope on the first 12 of 16 dims, its factors
+    6 long), folder and GGUF (rope.dimension_count): transformers' logits and tokens."""
+    ref, resolved, model = _folder(tmp_path / "folder", partial=0.75)
+    assert resolved.config.partial_rotary_factor == 0.75
+    _assert_parity(ref, model, resolved.config)
+    path = tmp_path / "phi3.gguf"
+    write_gguf(ref, "phi3", path, Q.F32)
+    resolved = resolved_gguf(path, tmp_path / "converted")
+    assert resolved.config.partial_rotary_factor == 0.75
+    _assert_parity(ref, load_model(resolved, torch.float32, torch.device("cpu")), resolved.config)
+
+
+def test_phi3_odd_rotary_refused(tmp_path: Path) -> None:
+    """A partial_rotary_factor that leaves an odd number of rope dims is refused by name."""
+    ref, resolved, _ = _folder(tmp_path)
+    resolved.config.partial_rotary_factor = 0.5625  # 9 of 16 dims
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
         load_model(resolved, torch.float32, torch.device("cpu"))

@@ -27,7 +27,7 @@ from convoy.config import ConfigError
 from convoy.model_config import ModelConfig
 from convoy.models.attention import AttentionMetadata
 from convoy.models.layers import CausalLM, RMSNorm, RotaryEmbedding, token_embedding
-from convoy.models.llama import LlamaDecoderLayer
+from convoy.models.llama import LlamaAttention, LlamaDecoderLayer
 
 LONGROPE = ("longrope", "su")  # "su": the legacy name of the same scaling
 
@@ -81,16 +81,59 @@ class LongRopeEmbedding(RotaryEmbedding):
         return 2 * positions + is_long.long()
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Head dims the rope turns: all, or the first `partial_rotary_factor` of them (Phi-4-mini)."""
+    dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+    if dim % 2 or not 0 < dim <= cfg.head_dim:
+        raise ConfigError(f"partial_rotary_factor={cfg.partial_rotary_factor}: odd or empty rope")
+    return dim
+
+
 def rotary(cfg: ModelConfig) -> RotaryEmbedding:
-    if cfg.partial_rotary_factor != 1.0:
-        raise ConfigError(
-            f"partial_rotary_factor={cfg.partial_rotary_factor} (rope on part of each head, "
-            "e.g. Phi-4-mini) is not supported yet"
-        )
-    scaling = cfg.rope_scaling
+    dim, scaling = rotary_dim(cfg), cfg.rope_scaling
     if scaling and scaling["rope_type"] in LONGROPE:
-        return LongRopeEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, scaling)
-    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, scaling)
+        return LongRopeEmbedding(dim, cfg.max_position_embeddings, cfg.rope_theta, scaling)
+    return RotaryEmbedding(dim, cfg.max_position_embeddings, cfg.rope_theta, scaling)
+
+
+class Phi3Attention(LlamaAttention):
+    """Llama's attention; with a partial rotary factor the rope turns the first `rotary_dim`
+    dims of each head (rotate-half within them) and the rest pass, by torch ops: the native
+    rotary + cache kernel takes whole-head tables."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding) -> None:
+        super().__init__(cfg, layer_idx, rope)
+        self.rotary_dim = rope.head_dim
+        self.is_partial = self.rotary_dim < cfg.head_dim
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if not self.is_partial:
+            return super().forward(x, positions, meta)
+        t, rd = x.shape[0], self.rotary_dim
+        q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q_rot, k_rot = self.rotary(positions, q[..., :rd], k[..., :rd])
+        q = torch.cat([q_rot, q[..., rd:]], dim=-1)
+        k = torch.cat([k_rot, k[..., rd:]], dim=-1)
+        o = self.attn.forward(q, k, v, meta)
+        return self.o_proj.forward(o.reshape(t, self.q_size))
+
+
+class Phi3DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding) -> None:
+        super().__init__(cfg, layer_idx, rope)
+        self.self_attn = Phi3Attention(cfg, layer_idx, rope)
+
+    def fused_weights(self) -> tuple[Any, ...] | None:
+        """kernels.decode_layer turns whole heads: a partial rope runs the per-op path."""
+        attn = self.self_attn
+        return (
+            None if isinstance(attn, Phi3Attention) and attn.is_partial else super().fused_weights()
+        )
 
 
 class Phi3Model(nn.Module):
@@ -99,7 +142,7 @@ class Phi3Model(nn.Module):
         self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = rotary(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)
+            Phi3DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
