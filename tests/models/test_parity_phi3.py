@@ -238,6 +238,16 @@ def test_phi3_partial_rotary_parity(tmp_path: Path) -> None:
     _assert_parity(ref, load_model(resolved, torch.float32, torch.device("cpu")), resolved.config)
 
 
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_phi3_native_kernels_parity(tmp_path: Path, partial: float) -> None:
+    """With the CPU kernels on (norms, rotary + cache writes on the row index, decode
+    attention; a partial rope by torch ops beside them): transformers' logits and tokens."""
+    ref, resolved, model = _folder(tmp_path, partial=partial)
+    _assert_parity(ref, model, resolved.config, native=True)
+    assert all(m.native for m in model.modules() if type(m).__name__ == "RMSNorm")
+
+
 def test_phi3_odd_rotary_refused(tmp_path: Path) -> None:
     """A partial_rotary_factor that leaves an odd number of rope dims is refused by name."""
     ref, resolved, _ = _folder(tmp_path)

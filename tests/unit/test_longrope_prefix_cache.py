@@ -39,3 +39,13 @@ def test_rope_switch_len_from_config() -> None:
     )  # fmt: skip
     assert ModelConfig.from_dict(raw).rope_switch_len() == 32
     assert ModelConfig.from_dict({**raw, "rope_scaling": None}).rope_switch_len() is None
+
+
+def test_scheduled_chunks_carry_the_prompt_length() -> None:
+    """Every prefill chunk (and later decode) tells the model its request's prompt length, the
+    LongRoPE switch of phi3.py (AttentionMetadata.prompt_lens)."""
+    sched = Scheduler(SchedulerConfig(8, 16), BlockManager(64, BS), 128)
+    params = SamplingParams(max_tokens=4)
+    sched.add_request(Request("r", list(range(40)), params, group_id="g", arrival=0.0))
+    out = sched.schedule()
+    assert [(len(s.token_ids), s.prompt_len) for s in out.seqs] == [(16, 40)]
