@@ -71,3 +71,67 @@ def test_decode_kernel_rejects_out_of_range_blocks() -> None:
         kernels.decode_attention(
             q, k_cache, k_cache, torch.tensor([[99]]), torch.tensor([3]), 16, 1.0, 0
         )
+
+
+def _capped_reference(q, k_cache, v_cache, tables, lens, bs, scale, window, cap) -> torch.Tensor:
+    """One sequence and head at a time: scores = cap * tanh(q . k * scale / cap), softmax, sum."""
+    b, heads, _ = q.shape
+    group = heads // k_cache.shape[0]
+    out = torch.empty_like(q)
+    for i in range(b):
+        n = int(lens[i])
+        pos = torch.arange(max(0, n - window) if window else 0, n)
+        slots = tables[i, pos // bs] * bs + pos % bs
+        for h in range(heads):
+            keys, values = k_cache[h // group, slots].float(), v_cache[h // group, slots].float()
+            scores = keys @ q[i, h].float() * scale
+            probs = torch.softmax(torch.tanh(scores / cap) * cap, dim=0)
+            out[i, h] = probs @ values
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"), [
+    (4, 2, 32, 0), (4, 2, 32, 5), (8, 4, 256, 0), (6, 2, 20, 0),  # 20: no AVX2 path (D % 8)
+])  # fmt: skip
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_decode_kernel_soft_cap(heads, kv_heads, head_dim, window, cache_dtype) -> None:
+    """Gemma 2's soft-capped scores: the kernel equals a per-head Python reference, each
+    sequence alone gives its bits in the batch, and softcap 0 is the uncapped kernel."""
+    gen = torch.Generator().manual_seed(heads + head_dim + window)
+    bs, num_blocks = 4, 48
+    k_cache = (torch.randn(kv_heads, num_blocks * bs, head_dim, generator=gen) * 2).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * bs, head_dim, generator=gen).to(cache_dtype)
+    lens = torch.tensor([1, 7, 13, 30, 9])
+    tables = torch.randperm(num_blocks, generator=gen)[:40].view(5, 8)
+    q = torch.randn(5, heads, head_dim, generator=gen) * 2
+    scale, cap = 24**-0.5, 2.0
+    got = kernels.decode_attention(q, k_cache, v_cache, tables, lens, bs, scale, window, cap)
+    want = _capped_reference(q, k_cache, v_cache, tables, lens, bs, scale, window, cap)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    uncapped = kernels.decode_attention(q, k_cache, v_cache, tables, lens, bs, scale, window)
+    assert (got - uncapped).abs().max() > 1e-2  # the cap changes the result
+    assert torch.equal(
+        uncapped, kernels.decode_attention(q, k_cache, v_cache, tables, lens, bs, scale, window, 0)
+    )
+    for i in range(5):  # batch invariant: a row alone is the same bits
+        one = kernels.decode_attention(
+            q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], bs, scale,
+            window, cap,
+        )  # fmt: skip
+        assert torch.equal(one[0], got[i])
+    meta = AttentionMetadata(
+        block_size=bs, slot_mapping=torch.empty(0, dtype=torch.long),
+        positions=torch.empty(0, dtype=torch.long), prefills=[], decode_idx=None,
+        decode_blocks=tables.reshape(-1), decode_len_max=8 * bs, decode_lens=lens,
+    )  # fmt: skip
+    torch_path = _decode_attention(q, k_cache, v_cache, meta, scale, window or None, cap)
+    torch.testing.assert_close(torch_path, want, atol=2e-6, rtol=2e-5)
+
+
+def test_decode_kernel_rejects_negative_soft_cap() -> None:
+    k_cache = torch.zeros(1, 16, 8)
+    with pytest.raises(RuntimeError, match="softcap"):
+        kernels.decode_attention(
+            torch.zeros(1, 2, 8), k_cache, k_cache, torch.tensor([[0]]), torch.tensor([3]), 16,
+            1.0, 0, -1.0,
+        )  # fmt: skip

@@ -16,15 +16,18 @@ def decode_attention(
     block_size: int,
     scale: float,
     window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention straight from the paged cache (csrc/paged_attention.cpp), fp32 or bf16.
 
     q (B, H, D); k_cache, v_cache (Hkv, num_slots, D), contiguous, q's dtype; block_tables (B, NB)
     int64, each sequence's blocks in order; lens (B,) int64 keys per sequence; window: 0 for none,
-    else only the last `window` keys are visible. Returns (B, H, D) in q's dtype.
+    else only the last `window` keys are visible; softcap: 0 for none, else each score (q . k *
+    scale) becomes softcap * tanh(score / softcap) before the softmax (Gemma 2). Returns (B, H, D)
+    in q's dtype.
     """
     return torch.ops.convoy.decode_attention(
-        q, k_cache, v_cache, block_tables, lens, block_size, scale, window
+        q, k_cache, v_cache, block_tables, lens, block_size, scale, window, softcap
     )
 
 
@@ -208,16 +211,18 @@ def decode_layer(
     block_size: int,
     scale: float,
     window: int,
+    softcap: float,
 ) -> torch.Tensor:
     """One decoder layer over a step of decode tokens (csrc/decoder_layer.cpp): the same kernels
     as the per-op path, in one call. `residual` (T, hidden) fp32 is updated in place; returns the
     layer's output still to add. weights: (eps, norm offset, in_norm, q_norm, k_norm,
     attn_out_norm, ff_in_norm, ff_out_norm, qkv, qkv kind, qkv bias, o, o kind, gate_up,
     gate_up kind, down, down kind, H, Hkv, D, intermediate, act), the optional ones None (see
-    models/llama.py `FusedDecodeLayer`); the rest as `rotary_cache` and `decode_attention`."""
+    models/llama.py `FusedDecodeLayer`); the rest as `rotary_cache` and `decode_attention`
+    (softcap: 0 for none)."""
     return torch.ops.convoy.decode_layer(
         delta, residual, *weights, positions, cos, sin, k_cache, v_cache, slot_mapping,
-        block_tables, lens, block_size, scale, window,
+        block_tables, lens, block_size, scale, window, softcap,
     )  # fmt: skip
 
 
@@ -236,6 +241,7 @@ def decode_moe_layer(
     block_size: int,
     scale: float,
     window: int,
+    softcap: float,
 ) -> torch.Tensor:
     """`decode_layer` for a mixture-of-experts layer (csrc/decoder_layer.cpp): the same attention
     half, then router (`dense_linear`), `moe_topk`, `moe_experts` and the optional shared expert
@@ -246,5 +252,5 @@ def decode_moe_layer(
     shared gate weight (1, hidden)), the shared expert's None / 0 where there is none."""
     return torch.ops.convoy.decode_moe_layer(
         delta, residual, *weights, positions, cos, sin, k_cache, v_cache, slot_mapping,
-        block_tables, lens, block_size, scale, window,
+        block_tables, lens, block_size, scale, window, softcap,
     )  # fmt: skip

@@ -42,8 +42,8 @@ class PrefillSeq:
     context_len: int  # tokens in cache after this step (computed before + new)
     blocks: torch.Tensor  # (NB,) its block table, covering context_len (unused when fresh)
     # Attention masks of this step's query tiles, shared by the layers with the same window:
-    # (window, first query) -> (first key, end key, (tile, keys) bool mask or None)
-    masks: dict[tuple[int | None, int], tuple[int, int, torch.Tensor | None]] = field(
+    # (window, first query, end query) -> (first key, end key, (tile, keys) bool mask or None)
+    masks: dict[tuple[int | None, int, int], tuple[int, int, torch.Tensor | None]] = field(
         default_factory=dict
     )
 
@@ -91,23 +91,25 @@ def paged_attention(
     scale: float,
     window: int | None,
     cache_written: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache (unless `cache_written`: the caller did, e.g. by
-    kernels.rotary_cache), then attend every query to its sequence's context."""
+    kernels.rotary_cache), then attend every query to its sequence's context. `softcap` (Gemma
+    2): scores become softcap * tanh(scores / softcap) before the mask and the softmax."""
     if not cache_written:
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
     if meta.all_decode:
-        return _decode_attention(q, k_cache, v_cache, meta, scale, window)
+        return _decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(q)
     if meta.decode_idx is not None:
         out[meta.decode_idx] = _decode_attention(
-            q[meta.decode_idx], k_cache, v_cache, meta, scale, window
+            q[meta.decode_idx], k_cache, v_cache, meta, scale, window, softcap
         )
     for seq in meta.prefills:
         out[seq.start : seq.end] = _prefill_attention(
             q[seq.start : seq.end], k[seq.start : seq.end], v[seq.start : seq.end],
-            k_cache, v_cache, seq, meta.block_size, scale, window,
+            k_cache, v_cache, seq, meta.block_size, scale, window, softcap,
         )  # fmt: skip
     return out
 
@@ -119,13 +121,14 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     assert meta.decode_blocks is not None and meta.decode_lens is not None
     b, h, d = q.shape
     if meta.native_decode:
         return kernels.decode_attention(
             q, k_cache, v_cache, meta.decode_blocks.view(b, -1), meta.decode_lens,
-            meta.block_size, scale, window or 0,
+            meta.block_size, scale, window or 0, softcap or 0.0,
         )  # fmt: skip
     hkv = k_cache.shape[0]
     length = meta.decode_len_max
@@ -138,6 +141,8 @@ def _decode_attention(
     qg = q.view(b, hkv, h // hkv, d).transpose(0, 1)  # (Hkv, B, G, D)
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # (Hkv, B, G, L)
     scores *= scale
+    if softcap:
+        scores = _soft_cap(scores, softcap)
     scores += meta.decode_mask(window)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     return torch.matmul(probs, values).transpose(0, 1).reshape(b, h, d)
@@ -159,6 +164,7 @@ def _prefill_attention(
     block_size: int,
     scale: float,
     window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     num_q = q.shape[0]
     fresh = seq.context_len == num_q  # nothing cached before: attend to this step's K/V directly
@@ -173,8 +179,13 @@ def _prefill_attention(
             for c in (k_cache, v_cache)
         )  # fmt: skip
     out = torch.empty_like(q)
-    for t0, t1 in _query_tiles(num_q, seq.context_len, window):
+    for t0, t1 in _query_tiles(num_q, seq.context_len, window, softcap):
         k0, k1, mask = _tile_mask(seq, num_q, t0, t1, window, fresh, q.device)
+        if softcap:
+            out[t0:t1] = _capped_attention(
+                q[t0:t1], keys[:, k0:k1], values[:, k0:k1], mask, scale, softcap
+            )
+            continue
         out[t0:t1] = (
             F.scaled_dot_product_attention(
                 q[t0:t1].transpose(0, 1).unsqueeze(0),  # (1, H, Tq, D)
@@ -198,11 +209,42 @@ def _prefill_attention(
 _WINDOW_TILE = 128
 
 
-def _query_tiles(num_q: int, context_len: int, window: int | None) -> list[tuple[int, int]]:
-    """[t0, t1) ranges of the step's queries attended in one call each."""
-    if window is None or window >= context_len:
+def _query_tiles(
+    num_q: int, context_len: int, window: int | None, softcap: float | None = None
+) -> list[tuple[int, int]]:
+    """[t0, t1) ranges of the step's queries attended in one call each. A soft-capped layer's
+    queries always go in tiles: its explicit scores are a (H, tile, keys) tensor."""
+    if not softcap and (window is None or window >= context_len):
         return [(0, num_q)]
     return [(t0, min(num_q, t0 + _WINDOW_TILE)) for t0 in range(0, num_q, _WINDOW_TILE)]
+
+
+def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(scores / cap), in transformers' order (Gemma 2's eager attention)."""
+    return torch.tanh(scores / cap) * cap
+
+
+def _capped_attention(
+    q: torch.Tensor,  # (Tq, H, D)
+    keys: torch.Tensor,  # (Hkv, L, D)
+    values: torch.Tensor,
+    mask: torch.Tensor | None,  # (Tq, L) bool, or None: causal, the queries being the keys
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with soft-capped scores (SDPA has no cap): scores = q . k * scale, capped,
+    masked, softmax in fp32, weighted sum; grouped-query heads as matmuls over (Hkv, G, .)."""
+    tq, h, d = q.shape
+    hkv, length = keys.shape[0], keys.shape[1]
+    qg = q.transpose(0, 1).reshape(hkv, h // hkv, tq, d)  # (Hkv, G, Tq, D)
+    scores = torch.matmul(qg, keys.unsqueeze(1).transpose(-1, -2)) * scale  # (Hkv, G, Tq, L)
+    scores = _soft_cap(scores.float(), softcap)
+    if mask is None:
+        mask = torch.ones(tq, length, dtype=torch.bool, device=q.device).tril(length - tq)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values.unsqueeze(1))  # (Hkv, G, Tq, D)
+    return out.reshape(h, tq, d).transpose(0, 1)
 
 
 def _tile_mask(
@@ -216,7 +258,7 @@ def _tile_mask(
 ) -> tuple[int, int, torch.Tensor | None]:
     """Keys [k0, k1) that queries [t0, t1) may see, and their mask (None: plain causal, the
     queries being the keys' own tokens from k0 on), computed once a step for all layers."""
-    cached = seq.masks.get((window, t0))
+    cached = seq.masks.get((window, t0, t1))
     if cached is not None:
         return cached
     first = seq.context_len - num_q  # position of the step's first query
@@ -229,7 +271,7 @@ def _tile_mask(
         mask = diff >= 0
         if window is not None:
             mask &= diff < window
-    seq.masks[(window, t0)] = k0, k1, mask
+    seq.masks[(window, t0, t1)] = k0, k1, mask
     return k0, k1, mask
 
 
@@ -239,11 +281,14 @@ class Attention(nn.Module):
     The worker binds the layer's K/V cache tensors with `bind_cache` after allocating the pool.
     """
 
-    def __init__(self, layer_idx: int, scale: float, window: int | None) -> None:
+    def __init__(
+        self, layer_idx: int, scale: float, window: int | None, softcap: float | None = None
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.scale = scale
         self.window = window  # None = full attention
+        self.softcap = softcap  # None = none; else scores = softcap * tanh(scores / softcap)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -260,5 +305,6 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D); `cache_written`: k/v are in the cache."""
         return paged_attention(
-            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, cache_written
-        )
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window, cache_written,
+            self.softcap,
+        )  # fmt: skip

@@ -139,7 +139,7 @@ class FusedDecodeLayer(nn.Module):
         return self.fused_kernel()(
             delta, residual, weights, positions, cos, sin, attn.k_cache, attn.v_cache,
             meta.slot_mapping, meta.decode_blocks.view(residual.shape[0], -1), meta.decode_lens,
-            meta.block_size, attn.scale, attn.window or 0,
+            meta.block_size, attn.scale, attn.window or 0, attn.softcap or 0.0,
         )  # fmt: skip
 
 

@@ -10,7 +10,8 @@
 //   h = ff_in_norm(residual += a); out = down(act(gate) * up)(h); [out = ff_out_norm(out)]
 //
 // (Llama: ff_in_norm is its post_attention_layernorm and no bracketed norm; Gemma 3 has them
-// all, (1 + w) scaled: norm_offset 1.) Returns the layer's output still to add; `residual` is
+// all, (1 + w) scaled: norm_offset 1; Gemma 2 too, without q/k norms, with attention scores
+// soft-capped: softcap > 0.) Returns the layer's output still to add; `residual` is
 // updated in place. Quantized linears (csrc/quant_linear.cpp) and fp32 activations only.
 
 #include <ATen/core/Tensor.h>
@@ -37,7 +38,7 @@ at::Tensor attention_half(
     int64_t H, int64_t Hkv, int64_t D, const at::Tensor& positions, const at::Tensor& cos,
     const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& lens,
-    int64_t block_size, double scale, int64_t window) {
+    int64_t block_size, double scale, int64_t window, double softcap) {
   TORCH_CHECK(residual.dim() == 2 && residual.scalar_type() == at::kFloat,
               "decode_layer: residual (T, hidden) fp32");
   TORCH_CHECK(given(q_norm) == given(k_norm), "decode_layer: q_norm and k_norm together");
@@ -55,7 +56,7 @@ at::Tensor attention_half(
   }
   convoy::rotary_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping);
   const at::Tensor o = convoy::decode_attention(q, k_cache, v_cache, block_tables, lens,
-                                                block_size, scale, window);
+                                                block_size, scale, window, softcap);
   at::Tensor attn =
       convoy::quant_linear(o.view({T, q_size}), o_w, o_kind, hidden, std::nullopt);
   if (given(attn_out_norm)) attn = convoy::rms_norm(attn, *attn_out_norm, eps, norm_offset);
@@ -80,11 +81,11 @@ at::Tensor decode_layer(
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size, double scale,
-    int64_t window) {
+    int64_t window, double softcap) {
   const at::Tensor h = attention_half(
       delta, residual, eps, norm_offset, in_norm, q_norm, k_norm, attn_out_norm, ff_in_norm,
       qkv_w, qkv_kind, qkv_bias, o_w, o_kind, H, Hkv, D, positions, cos, sin, k_cache, v_cache,
-      slot_mapping, block_tables, lens, block_size, scale, window);
+      slot_mapping, block_tables, lens, block_size, scale, window, softcap);
   at::Tensor out = gated_mlp(h, gate_up_w, gate_up_kind, down_w, down_kind, inter, act);
   if (given(ff_out_norm)) out = convoy::rms_norm(out, *ff_out_norm, eps, norm_offset);
   return out;
@@ -107,13 +108,13 @@ at::Tensor decode_moe_layer(
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size, double scale,
-    int64_t window) {
+    int64_t window, double softcap) {
   TORCH_CHECK(given(shared_gate_up) == given(shared_down) && given(shared_down) == given(shared_gate),
               "decode_moe_layer: the shared expert's gate_up, down and gate together");
   const at::Tensor h = attention_half(
       delta, residual, eps, norm_offset, in_norm, q_norm, k_norm, std::nullopt, ff_in_norm,
       qkv_w, qkv_kind, qkv_bias, o_w, o_kind, H, Hkv, D, positions, cos, sin, k_cache, v_cache,
-      slot_mapping, block_tables, lens, block_size, scale, window);
+      slot_mapping, block_tables, lens, block_size, scale, window, softcap);
   const auto [weights, ids] = convoy::moe_topk(convoy::dense_linear(h, router_w), top_k, normalize);
   at::Tensor out = convoy::moe_experts(h, ids, weights, experts_gate_up, experts_gate_up_kind,
                                        experts_down, experts_down_kind, expert_inter, act);
@@ -136,7 +137,7 @@ TORCH_LIBRARY_FRAGMENT(convoy, m) {
       "int o_kind, Tensor gate_up_w, int gate_up_kind, Tensor down_w, int down_kind, int H, "
       "int Hkv, int D, int inter, int act, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor lens, int block_size, float scale, int window) -> Tensor");
+      "Tensor lens, int block_size, float scale, int window, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_FRAGMENT(convoy, m) {
@@ -149,7 +150,8 @@ TORCH_LIBRARY_FRAGMENT(convoy, m) {
       "Tensor? shared_gate_up, int shared_gate_up_kind, Tensor? shared_down, "
       "int shared_down_kind, int shared_inter, Tensor? shared_gate, Tensor positions, "
       "Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor lens, int block_size, float scale, int window) -> Tensor");
+      "Tensor block_tables, Tensor lens, int block_size, float scale, int window, "
+      "float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(convoy, CPU, m) {

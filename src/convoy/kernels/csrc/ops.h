@@ -20,7 +20,7 @@ at::Tensor act_and_mul(const at::Tensor& x, int64_t act);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& lens, int64_t block_size, double scale,
-                            int64_t window);
+                            int64_t window, double softcap);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
                         const std::optional<at::Tensor>& bias);
 // MoE routed experts on stacked quant_linear panels (quant_linear.cpp): x (T, H) fp32, ids and

@@ -144,7 +144,7 @@ bool attend_vec(int64_t G, const float* qf, const C* kg, const C* vg, const int6
 template <typename T, typename C>  // T: q and out, C: the cache
 void decode_attention_impl(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& bt, const at::Tensor& ln, int64_t block_size, float fscale,
-                           int64_t window, at::Tensor& out) {
+                           int64_t window, float softcap, at::Tensor& out) {
   const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
   const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), NB = bt.size(1);
   const int64_t G = H / Hkv;
@@ -196,6 +196,11 @@ void decode_attention_impl(const at::Tensor& qc, const at::Tensor& k_cache, cons
           scores[j * n + i] = dot * fscale;
         }
       }
+      // Soft-capping (Gemma 2): s = cap * tanh(s / cap), before the softmax, as transformers'
+      // eager attention orders it (a division, then tanh, then the product). 0: none.
+      if (softcap > 0.f) {
+        for (int64_t x = 0; x < G * n; ++x) scores[x] = std::tanh(scores[x] / softcap) * softcap;
+      }
       // softmax per query head (max-subtracted, fp32)
       for (int64_t j = 0; j < G; ++j) {
         float* s = scores.data() + j * n;
@@ -246,17 +251,19 @@ void decode_attention_impl(const at::Tensor& qc, const at::Tensor& k_cache, cons
 template <typename T>
 void dispatch_cache(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& bt, const at::Tensor& ln, int64_t block_size, float fs,
-                    int64_t window, at::Tensor& out) {
+                    int64_t window, float cap, at::Tensor& out) {
   switch (k_cache.scalar_type()) {
     case at::kFloat:
-      decode_attention_impl<T, float>(qc, k_cache, v_cache, bt, ln, block_size, fs, window, out);
+      decode_attention_impl<T, float>(qc, k_cache, v_cache, bt, ln, block_size, fs, window, cap,
+                                      out);
       break;
     case at::kBFloat16:
       decode_attention_impl<T, at::BFloat16>(qc, k_cache, v_cache, bt, ln, block_size, fs, window,
-                                             out);
+                                             cap, out);
       break;
     default:
-      decode_attention_impl<T, at::Half>(qc, k_cache, v_cache, bt, ln, block_size, fs, window, out);
+      decode_attention_impl<T, at::Half>(qc, k_cache, v_cache, bt, ln, block_size, fs, window, cap,
+                                         out);
   }
 }
 
@@ -268,7 +275,8 @@ at::Tensor decode_attention(
     const at::Tensor& lens,          // (B,) int64: context length of each sequence (keys to read)
     int64_t block_size,
     double scale,
-    int64_t window) {                // 0: none; else only the last `window` keys are visible
+    int64_t window,                  // 0: none; else only the last `window` keys are visible
+    double softcap) {                // 0: none; else scores = softcap * tanh(scores / softcap)
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   const auto dt = q.scalar_type();
   const auto ct = k_cache.scalar_type();
@@ -285,11 +293,13 @@ at::Tensor decode_attention(
   TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes() && H % Hkv == 0 &&
                   bt.size(0) == B && ln.size(0) == B, "shapes");
   at::Tensor out = at::empty({B, H, D}, qc.options());
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   const float fs = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap);
   if (dt == at::kFloat) {
-    dispatch_cache<float>(qc, k_cache, v_cache, bt, ln, block_size, fs, window, out);
+    dispatch_cache<float>(qc, k_cache, v_cache, bt, ln, block_size, fs, window, cap, out);
   } else {
-    dispatch_cache<at::BFloat16>(qc, k_cache, v_cache, bt, ln, block_size, fs, window, out);
+    dispatch_cache<at::BFloat16>(qc, k_cache, v_cache, bt, ln, block_size, fs, window, cap, out);
   }
   return out;
 }
@@ -300,15 +310,16 @@ namespace convoy {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& lens, int64_t block_size, double scale,
-                            int64_t window) {
-  return ::decode_attention(q, k_cache, v_cache, block_tables, lens, block_size, scale, window);
+                            int64_t window, double softcap) {
+  return ::decode_attention(q, k_cache, v_cache, block_tables, lens, block_size, scale, window,
+                            softcap);
 }
 }  // namespace convoy
 
 TORCH_LIBRARY(convoy, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor lens, int block_size, float scale, int window) -> Tensor");
+      "Tensor lens, int block_size, float scale, int window, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(convoy, CPU, m) {
