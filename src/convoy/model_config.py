@@ -37,6 +37,9 @@ class ModelConfig:
     layer_types: list[str] = field(default_factory=list)
     rope_local_theta: float | None = None  # rope base on sliding layers (Gemma 3)
     query_pre_attn_scalar: float | None = None
+    # Gemma 2's soft-capping: x = cap * tanh(x / cap) on attention scores / final logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): 0 experts for a dense model.
@@ -101,6 +104,10 @@ class ModelConfig:
                 "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                 for i in range(num_layers)
             ]
+        if model_type == "gemma2" and not layer_types:  # even layers slide (transformers')
+            layer_types = [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+            ]
         if model_type.startswith(("qwen2", "qwen3")) and not raw.get("use_sliding_window"):
             sliding_window, layer_types = None, []
         if sliding_window and not layer_types:
@@ -132,6 +139,8 @@ class ModelConfig:
             layer_types=layer_types,
             rope_local_theta=rope_local,
             query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=raw.get("attn_logit_softcapping") or None,
+            final_logit_softcapping=raw.get("final_logit_softcapping") or None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=[int(e) for e in eos_ids],
             **experts,

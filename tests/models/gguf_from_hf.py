@@ -1,6 +1,7 @@
-"""Write a transformers model (Llama-shaped, with or without experts) as a GGUF file the way
-llama.cpp's converter lays it out: tensor names, Q/K row permutation for `llama`, experts as 3-D
-tensors, the router in F32; weight matrices in F32 or one quantized type (gguf.quants.quantize).
+"""Write a transformers model (Llama-shaped, with or without experts, or Gemma 2) as a GGUF file
+the way llama.cpp's converter lays it out: tensor names, Q/K row permutation for `llama`, experts as
+3-D tensors, the router in F32, Gemma's norms stored with the one added; weight matrices in F32 or
+one quantized type (gguf.quants.quantize).
 No tokenizer is written: `resolved_gguf` builds the converted folder's config.json itself."""
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ _LAYER = {
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "self_attn.qkv_proj": "attn_qkv",  # phi3: fused in the checkpoint and in the GGUF
     "mlp.gate_up_proj": "ffn_up",  # phi3: gate rows, then up rows
+}
+# Gemma 2 (convert_hf_to_gguf.py Gemma2Model): its four norms' names
+_GEMMA2_LAYER = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 _EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 _MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -77,9 +84,13 @@ def write_gguf(model: Any, arch: str, path: Path, qtype: GGMLQuantizationType) -
 
     if arch == "phi3":
         _phi3_metadata(w, cfg, head_dim)
+    if arch == "gemma2":
+        _gemma2_metadata(w, cfg)
 
     def put(name: str, t: np.ndarray) -> None:
         t = np.ascontiguousarray(t.astype(np.float32))
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            t = t + 1.0  # llama.cpp stores Gemma's (1 + w) scales with the one added
         router = name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
         if t.ndim >= 2 and qtype != GGMLQuantizationType.F32 and not router:
             w.add_tensor(name, quantize(t, qtype), raw_dtype=qtype)
@@ -118,7 +129,8 @@ def write_gguf(model: Any, arch: str, path: Path, qtype: GGMLQuantizationType) -
             t = _permute(t, heads)
         if arch == "llama" and module == "self_attn.k_proj":
             t = _permute(t, kv)
-        put(f"blk.{layer}.{_LAYER[module]}.{kind}", t)
+        names = {**_LAYER, **_GEMMA2_LAYER} if arch == "gemma2" else _LAYER
+        put(f"blk.{layer}.{names[module]}.{kind}", t)
     for name, by_expert in stacked.items():
         put(name, np.stack([by_expert[i] for i in range(len(by_expert))]))
     w.write_header_to_file()
@@ -142,6 +154,12 @@ def _phi3_metadata(w: GGUFWriter, cfg: Any, head_dim: int) -> None:
     w.add_rope_scaling_attn_factors(rope.get("attention_factor") or scale)
     w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
     w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+
+
+def _gemma2_metadata(w: GGUFWriter, cfg: Any) -> None:
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    w.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
 
 def resolved_gguf(path: Path, out: Path) -> ResolvedModel:

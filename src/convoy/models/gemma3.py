@@ -42,14 +42,17 @@ def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
 
 
 class Gemma3Attention(LlamaAttention):
-    """Llama's attention with (1 + w) q/k norms, a rope per layer kind and its own scale."""
+    """Llama's attention with (1 + w) q/k norms, a rope per layer kind and its own scale; Gemma 2
+    (gemma2.py): no q/k norms, one rope, soft-capped scores."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ropes: dict[str, RotaryEmbedding]) -> None:
         window = cfg.layer_window(layer_idx)
         is_local = window is not None and cfg.rope_local_theta is not None
         super().__init__(cfg, layer_idx, ropes["local" if is_local else "global"])
-        self.q_norm, self.k_norm = _norm(cfg, cfg.head_dim), _norm(cfg, cfg.head_dim)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = _norm(cfg, cfg.head_dim), _norm(cfg, cfg.head_dim)
         self.attn.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.attn.softcap = cfg.attn_logit_softcapping
 
 
 class Gemma3DecoderLayer(FusedDecodeLayer):

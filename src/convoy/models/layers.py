@@ -78,11 +78,17 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(N, hidden) rows that sample -> (N, vocab) fp32 logits, written into `out` (a contiguous
-        (N, vocab) fp32 buffer the caller reuses) where the head can, else a new tensor."""
+        (N, vocab) fp32 buffer the caller reuses) where the head can, else a new tensor; soft-capped
+        (cap * tanh(logits / cap), Gemma 2) where the config says so, before any sampling."""
         head = self.lm_head
         if out is not None and isinstance(head, QuantLinear):
-            return head.forward_into(hidden, out)
-        return head(hidden).float()
+            logits = head.forward_into(hidden, out)
+        else:
+            logits = head(hidden).float()
+        cap = self.cfg.final_logit_softcapping
+        if cap:  # in place, in transformers' order: a division, tanh, then the product
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     @classmethod
     def checkpoint_name(cls, name: str) -> str:

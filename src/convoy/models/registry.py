@@ -4,6 +4,7 @@ llama.cpp architecture names each family converts from GGUF. A new family is one
 
 from __future__ import annotations
 
+from convoy.models.gemma2 import Gemma2ForCausalLM
 from convoy.models.gemma3 import Gemma3ForCausalLM
 from convoy.models.layers import CausalLM
 from convoy.models.llama import LlamaForCausalLM
@@ -15,6 +16,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
