@@ -43,11 +43,14 @@ from convoy.api.protocol_info import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from convoy.api.responses_store import ResponseStore
 from convoy.api.routes.batches import add_batch_routes
 from convoy.api.routes.files import add_file_routes
+from convoy.api.routes.responses import add_response_routes
 from convoy.api.serving_base import off_loop
 from convoy.api.serving_chat import ChatServing, chat_text
 from convoy.api.serving_completion import CompletionServing
+from convoy.api.serving_responses import ResponsesServing
 from convoy.api.sse import sse_response
 from convoy.batch.db import BatchDB, DataDirBusy, default_data_dir
 from convoy.batch.executor import LineRunner
@@ -105,6 +108,9 @@ def _lifespan(
         app.state.completions, app.state.chat = CompletionServing(client), ChatServing(client)
         app.state.created = int(time.time())
         app.state.batch_db = _open_data_dir(settings) if has_store else None
+        db = app.state.batch_db  # responses.db beside it, in the folder this process holds
+        store = ResponseStore(db.root) if db is not None else None
+        app.state.responses = ResponsesServing(app.state.chat, store)
         start_batches(
             app, settings, batch_metrics, local_routes(app.state), name, lines_in_flight(settings)
         )
@@ -118,6 +124,8 @@ def _lifespan(
             await engine.shutdown()
             if app.state.batch_db is not None:
                 app.state.batch_db.close()
+            if store is not None:
+                store.close()
 
     return lifespan
 
@@ -157,6 +165,7 @@ def build_app(
     _describe_bodies(app)
     _add_middleware(app, settings, metrics, {REPLICA_HEADER: replica} if replica else None)
     _add_generation_routes(app)
+    add_response_routes(app)
     _add_info_routes(app, metrics)
     if replica is None:
         add_file_routes(app, settings)

@@ -52,8 +52,10 @@ def add_batch_routes(app: FastAPI, settings: ServerConfig) -> None:
         if body.completion_window not in COMPLETION_WINDOWS:
             raise APIError(400, "completion_window must be '24h'", "completion_window")
         after = body.output_expires_after
-        output_expires_s = None if after is None else expiry_seconds(
-            after.anchor, after.seconds, "output_expires_after"
+        output_expires_s = (
+            None
+            if after is None
+            else expiry_seconds(after.anchor, after.seconds, "output_expires_after")
         )
         create = partial(
             runner.store.create, body.endpoint, body.input_file_id, body.completion_window,

@@ -1,0 +1,216 @@
+"""Wire types of /v1/responses: the request, and its translation into a chat request.
+
+A Responses request runs as a chat completion (serving_responses.py): `input` items become chat
+messages (function_call items an assistant message's tool_calls, function_call_output items tool
+messages), `instructions` a system message first, the flat function tools chat's nested ones,
+`text.format` chat's response_format. Fields that would change the output and cannot be honoured
+are a 400 naming them (`check_supported`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import Field
+
+from convoy.api.protocol import MAX_INT32, ChatCompletionRequest
+from convoy.api.protocol_base import OpenAIModel, RequestModel
+from convoy.sampling_params import SamplingParamsError
+
+Item = dict[str, Any]
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_INCLUDABLE: set[str] = set()  # no `include` value is honoured yet
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+class ResponsesRequest(RequestModel):
+    model: str | None = None
+    input: str | list[Item] = Field(default="")
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    tools: list[Item] | None = None
+    tool_choice: str | Item | None = None
+    parallel_tool_calls: bool | None = True
+    text: Item | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = True
+    previous_response_id: str | None = None
+    stream: bool | None = False
+    reasoning: Item | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+
+    def check_supported(self) -> None:
+        """400 naming each field this server cannot honour."""
+        for i, tool in enumerate(self.tools or []):
+            if tool.get("type") != "function":
+                raise SamplingParamsError(
+                    f"tool type {tool.get('type')!r} is not supported; only function tools are",
+                    f"tools[{i}].type",
+                )
+        if self.reasoning and (self.reasoning.get("effort") or self.reasoning.get("summary")):
+            raise SamplingParamsError("this model does not reason", "reasoning")
+        if self.background:
+            raise SamplingParamsError("background responses are not supported", "background")
+        for value in self.include or []:
+            if value not in _INCLUDABLE:
+                raise SamplingParamsError(f"include value {value!r} is not supported", "include")
+
+    def input_items(self) -> list[Item]:
+        """`input` as normalised items, each with an id (as GET .../input_items lists them)."""
+        if isinstance(self.input, str):
+            return [_message_item("user", self.input)]
+        return [_normalise(i, item) for i, item in enumerate(self.input)]
+
+    def to_chat(self, items: list[Item]) -> ChatCompletionRequest:
+        """The chat request that runs this one, over the whole conversation `items`."""
+        messages: list[Item] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        messages += items_to_messages(items)
+        body: Item = {"messages": messages, "stream": bool(self.stream)}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        for name in ("model", "temperature", "top_p", "user", "parallel_tool_calls"):
+            if (value := getattr(self, name)) is not None:
+                body[name] = value
+        if self.max_output_tokens is not None:
+            body["max_completion_tokens"] = self.max_output_tokens
+        if self.tools:
+            body["tools"] = [_chat_tool(t) for t in self.tools]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if (fmt := (self.text or {}).get("format")) is not None:
+            body["response_format"] = _chat_format(fmt)
+        return ChatCompletionRequest.model_validate(body)
+
+    def echo(self) -> Item:
+        """The request fields the response object repeats."""
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "metadata": self.metadata or {},
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "previous_response_id": self.previous_response_id,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "tool_choice": self.tool_choice or "auto",
+            "tools": [_echo_tool(t) for t in self.tools or []],
+            "text": {"format": fmt},
+            "user": self.user,
+            "store": self.store is not False,
+            "background": False,
+            "reasoning": {"effort": None, "summary": None},
+            "truncation": "disabled",
+        }
+
+
+def _message_item(role: str, text: str) -> Item:
+    kind = "output_text" if role == "assistant" else "input_text"
+    part: Item = {"type": kind, "text": text}
+    if role == "assistant":
+        part["annotations"] = []
+    return {"id": new_item_id("msg"), "type": "message", "role": role,
+            "status": "completed", "content": [part]}  # fmt: skip
+
+
+def _normalise(index: int, item: Item) -> Item:
+    param = f"input[{index}]"
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "system", "developer", "assistant"):
+            raise SamplingParamsError(f"unknown message role {role!r}", f"{param}.role")
+        content = item.get("content")
+        if isinstance(content, str):
+            return {**_message_item(role, content), **({"id": item["id"]} if "id" in item else {})}
+        if not isinstance(content, list):
+            raise SamplingParamsError("content must be a string or a list of parts", param)
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+                kind_name = part.get("type") if isinstance(part, dict) else part
+                raise SamplingParamsError(
+                    f"content part type {kind_name!r} is not supported; only text parts are",
+                    f"{param}.content[{j}].type",
+                )
+        text = "\n".join(str(p.get("text") or "") for p in content)
+        return {**_message_item(role, text), **({"id": item["id"]} if "id" in item else {})}
+    if kind == "function_call":
+        for key in ("call_id", "name", "arguments"):
+            if not isinstance(item.get(key), str):
+                raise SamplingParamsError(f"a function_call item needs {key}", f"{param}.{key}")
+        return {"id": item.get("id") or new_item_id("fc"), "type": "function_call",
+                "call_id": item["call_id"], "name": item["name"],
+                "arguments": item["arguments"], "status": "completed"}  # fmt: skip
+    if kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+            raise SamplingParamsError("a function_call_output needs call_id and output", param)
+        return {"id": item.get("id") or new_item_id("fco"), "type": "function_call_output",
+                "call_id": item["call_id"], "output": item["output"],
+                "status": "completed"}  # fmt: skip
+    raise SamplingParamsError(f"input item type {kind!r} is not supported", f"{param}.type")
+
+
+def items_to_messages(items: list[Item]) -> list[Item]:
+    """Chat messages of normalised items; consecutive function calls share one assistant turn."""
+    messages: list[Item] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            text = "\n".join(p.get("text") or "" for p in item["content"])
+            messages.append({"role": item["role"], "content": text})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
+    return messages
+
+
+def _chat_tool(tool: Item) -> Item:
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": function}
+
+
+def _echo_tool(tool: Item) -> Item:
+    return {"type": "function", "name": tool.get("name"), "description": tool.get("description"),
+            "parameters": tool.get("parameters"), "strict": tool.get("strict")}  # fmt: skip
+
+
+def _chat_tool_choice(choice: str | Item) -> str | Item:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise SamplingParamsError("tool_choice must name a function", "tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _chat_format(fmt: Item) -> Item:
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    raise SamplingParamsError(f"text.format type {kind!r} is not supported", "text.format")
+
+
+class ResponseBody(OpenAIModel):
+    """A response object (or event) built as a dict, sent as JSON as is."""
+
+    model_config = {"extra": "allow"}

@@ -1,0 +1,70 @@
+"""Stored responses (`store: true`): one SQLite file, responses.db, in the server's data folder.
+
+A row keeps the response object and the conversation's input items (the previous response's
+items and output, then the request's own input), so `previous_response_id` continues a
+conversation after a restart too. Calls are blocking: callers run them with asyncio.to_thread.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    created_at INTEGER NOT NULL,
+    response TEXT NOT NULL,
+    input_items TEXT NOT NULL
+);
+"""
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+
+    @property
+    def conversation(self) -> list[dict[str, Any]]:
+        """What a follow-up continues: the input items, then the output items."""
+        return self.input_items + list(self.response.get("output") or [])
+
+
+class ResponseStore:
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(
+            root / "responses.db", check_same_thread=False, isolation_level=None
+        )
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.executescript(_SCHEMA)
+        self._mutex = threading.Lock()
+
+    def close(self) -> None:
+        with self._mutex:
+            self._conn.close()
+
+    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
+        row = (response["id"], int(response["created_at"]), json.dumps(response),
+               json.dumps(input_items))  # fmt: skip
+        with self._mutex:
+            self._conn.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?)", row)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        with self._mutex:
+            row = self._conn.execute(
+                "SELECT response, input_items FROM responses WHERE id = ?", (response_id,)
+            ).fetchone()
+        if row is None:
+            return None
+        return StoredResponse(json.loads(row[0]), json.loads(row[1]))
+
+    def delete(self, response_id: str) -> bool:
+        with self._mutex:
+            cur = self._conn.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+        return cur.rowcount > 0

@@ -1,0 +1,81 @@
+"""/v1/responses routes: create (JSON, or typed SSE events), retrieve, delete, input_items.
+
+The store's calls run in worker threads (asyncio.to_thread), as the Batch API's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Annotated, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import Response, StreamingResponse
+
+from convoy.api.errors import APIError
+from convoy.api.protocol_responses import ResponseBody, ResponsesRequest
+from convoy.api.serving_responses import ResponsesServing, not_found
+
+
+async def _frames(events: AsyncGenerator[ResponseBody, None]) -> AsyncIterator[bytes]:
+    """`event: <type>` and `data: {...}` per event (Responses' framing: no `[DONE]`)."""
+    try:
+        async for ev in events:
+            data = ev.model_dump_json()
+            yield f"event: {json.loads(data)['type']}\ndata: {data}\n\n".encode()
+    finally:
+        await events.aclose()
+
+
+def add_response_routes(app: FastAPI) -> None:
+    from convoy.api.server import _record, _until_disconnect, parse_body
+
+    def serving() -> ResponsesServing:
+        s: ResponsesServing = app.state.responses
+        return s
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body, size = await parse_body(request, ResponsesRequest)
+        if body.stream:
+            events = await serving().create(body, _record(request), size)
+            assert not isinstance(events, ResponseBody)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(_frames(events), media_type="text/event-stream",
+                                     headers=headers)  # fmt: skip
+        return await _until_disconnect(request, serving().create(body, _record(request), size))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        stored = await serving().load(response_id)
+        return Response(json.dumps(stored.response), media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, object]:
+        store = serving().store
+        if store is None or not await asyncio.to_thread(store.delete, response_id):
+            raise not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(
+        response_id: str,
+        order: Literal["asc", "desc"] = "desc",
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        after: str | None = None,
+    ) -> dict[str, object]:
+        items = list((await serving().load(response_id)).input_items)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(404, f"no input item with id {after!r}", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list", "data": page, "has_more": len(items) > limit,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+        }  # fmt: skip

@@ -1,0 +1,244 @@
+"""/v1/responses over ChatServing: a Responses request runs as a chat completion (its template,
+sampling, structured outputs and tool parsing) and its answer is recast as a response object,
+or, streamed, as Responses' typed events. No HTTP here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from pydantic import ValidationError
+
+from convoy.api.errors import APIError, from_exception
+from convoy.api.metrics import RequestRecord
+from convoy.api.protocol import ChatCompletionChunk, ChatCompletionResponse, UsageInfo
+from convoy.api.protocol_responses import Item, ResponseBody, ResponsesRequest, new_item_id
+from convoy.api.responses_store import ResponseStore, StoredResponse
+from convoy.api.serving_chat import ChatServing
+from convoy.sampling_params import SamplingParamsError
+
+
+def not_found(response_id: str, param: str = "response_id") -> APIError:
+    return APIError(404, f"no response with id {response_id!r}", param=param)
+
+
+def _usage(u: UsageInfo | None) -> Item | None:
+    if u is None:
+        return None
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    }
+
+
+def _text_item(item_id: str, text: str, status: str) -> Item:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [part]}  # fmt: skip
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Item:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+def _finish(response: Item, finish: str | None, usage: UsageInfo | None) -> Item:
+    if finish == "length":
+        response["status"] = "incomplete"
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+    else:
+        response["status"] = "completed"
+        response["completed_at"] = int(time.time())
+    response["usage"] = _usage(usage)
+    return response
+
+
+class ResponsesServing:
+    def __init__(self, chat: ChatServing, store: ResponseStore | None) -> None:
+        self.chat, self.store = chat, store
+
+    async def load(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        stored = (
+            None if self.store is None else await asyncio.to_thread(self.store.get, response_id)
+        )
+        if stored is None:
+            raise not_found(response_id, param)
+        return stored
+
+    async def create(
+        self, request: ResponsesRequest, record: RequestRecord | None, size: int | None
+    ) -> ResponseBody | AsyncGenerator[ResponseBody, None]:
+        request.check_supported()
+        items = request.input_items()
+        if request.previous_response_id:
+            previous = await self.load(request.previous_response_id, "previous_response_id")
+            items = previous.conversation + items
+        try:
+            chat = request.to_chat(items)
+        except ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            raise SamplingParamsError(f"{err['msg']} at {err['loc']}", "input") from None
+        response: Item = {
+            "id": new_item_id("resp"), "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "error": None, "incomplete_details": None,
+            "model": self.chat.client.served_model_name, "output": [], "usage": None,
+            **request.echo(),
+        }  # fmt: skip
+        result = await self.chat.create(chat, record, size)
+        if isinstance(result, ChatCompletionResponse):
+            choice = result.choices[0]
+            message = choice.message
+            output: list[Item] = []
+            if message.content or not message.tool_calls:
+                output.append(_text_item(new_item_id("msg"), message.content or "", "completed"))
+            for call in message.tool_calls or []:
+                output.append(_call_item(new_item_id("fc"), call.id, call.function.name,
+                                         call.function.arguments, "completed"))  # fmt: skip
+            response["output"] = output
+            _finish(response, choice.finish_reason, result.usage)
+            await self._save(request, response, items)
+            return ResponseBody(**response)
+        return _EventStream(self, request, response, items).run(result)
+
+    async def _save(self, request: ResponsesRequest, response: Item, items: list[Item]) -> None:
+        if request.store is not False and self.store is not None:
+            await asyncio.to_thread(self.store.put, response, items)
+
+
+class _EventStream:
+    """Chat chunks -> Responses' events, each with its type and a sequence number from 0."""
+
+    def __init__(
+        self, serving: ResponsesServing, request: ResponsesRequest, response: Item,
+        items: list[Item],
+    ) -> None:  # fmt: skip
+        self.serving, self.request, self.response, self.items = serving, request, response, items
+        self.seq = 0
+        self.text: str | None = None  # the open message's text
+        self.text_id = ""
+        self.calls: dict[int, Item] = {}  # chat's call index -> its function_call item
+        self.output: list[Item] = []  # items in output order (dicts updated in place)
+
+    def event(self, kind: str, **fields: Any) -> ResponseBody:
+        body = ResponseBody.model_validate({"type": kind, "sequence_number": self.seq, **fields})
+        self.seq += 1
+        return body
+
+    def snapshot(self) -> Item:
+        return {**self.response, "output": list(self.output)}
+
+    async def run(
+        self, chunks: AsyncGenerator[ChatCompletionChunk, None]
+    ) -> AsyncGenerator[ResponseBody, None]:
+        yield self.event("response.created", response=self.snapshot())
+        yield self.event("response.in_progress", response=self.snapshot())
+        finish: str | None = None
+        usage: UsageInfo | None = None
+        try:
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    usage = chunk.usage or usage
+                    for choice in chunk.choices:
+                        finish = choice.finish_reason or finish
+                        for ev in self.delta(choice.delta.content, choice.delta.tool_calls):
+                            yield ev
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
+            err = from_exception(e)
+            yield self.event("error", code=err.code, message=err.message, param=err.param)
+            self.response.update(status="failed", output=self.output,
+                                 error={"code": err.code or "server_error",
+                                        "message": err.message})  # fmt: skip
+            yield self.event("response.failed", response=self.snapshot())
+            return
+        for ev in self.close_all():
+            yield ev
+        self.response["output"] = self.output
+        _finish(self.response, finish, usage)
+        await self.serving._save(self.request, self.response, self.items)
+        kind = "response.incomplete" if finish == "length" else "response.completed"
+        yield self.event(kind, response=self.response)
+
+    def delta(self, content: str | None, calls: list[Any] | None) -> list[ResponseBody]:
+        events: list[ResponseBody] = []
+        if content:
+            if self.text is None:
+                events += self.open_text()
+            self.text = (self.text or "") + content
+            events.append(self.event("response.output_text.delta", item_id=self.text_id,
+                                     output_index=self.index(self.text_id), content_index=0,
+                                     delta=content, logprobs=[]))  # fmt: skip
+        for call in calls or []:
+            if call.id is not None:
+                events += self.close_text()
+                item = _call_item(new_item_id("fc"), call.id, call.function.name or "", "",
+                                  "in_progress")  # fmt: skip
+                self.calls[call.index] = item
+                self.output.append(item)
+                events.append(
+                    self.event(
+                        "response.output_item.added",
+                        output_index=len(self.output) - 1,
+                        item=dict(item),
+                    )
+                )
+            item = self.calls[call.index]
+            if call.function.arguments:
+                item["arguments"] += call.function.arguments
+                events.append(self.event("response.function_call_arguments.delta",
+                                         item_id=item["id"], output_index=self.index(item["id"]),
+                                         delta=call.function.arguments))  # fmt: skip
+        return events
+
+    def index(self, item_id: str) -> int:
+        return next(i for i, item in enumerate(self.output) if item["id"] == item_id)
+
+    def open_text(self) -> list[ResponseBody]:
+        self.text_id, self.text = new_item_id("msg"), ""
+        item = _text_item(self.text_id, "", "in_progress")
+        item["content"] = []
+        self.output.append(item)
+        i = len(self.output) - 1
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self.event("response.output_item.added", output_index=i, item=dict(item)),
+            self.event("response.content_part.added", item_id=self.text_id, output_index=i,
+                       content_index=0, part=part),
+        ]  # fmt: skip
+
+    def close_text(self) -> list[ResponseBody]:
+        if self.text is None:
+            return []
+        text, item_id = self.text, self.text_id
+        self.text = None
+        i = self.index(item_id)
+        done = _text_item(item_id, text, "completed")
+        self.output[i] = done
+        part = done["content"][0]
+        return [
+            self.event("response.output_text.done", item_id=item_id, output_index=i,
+                       content_index=0, text=text, logprobs=[]),
+            self.event("response.content_part.done", item_id=item_id, output_index=i,
+                       content_index=0, part=part),
+            self.event("response.output_item.done", output_index=i, item=done),
+        ]  # fmt: skip
+
+    def close_all(self) -> list[ResponseBody]:
+        if not self.output:  # nothing generated: still one (empty) message
+            events = self.open_text()
+            return events + self.close_text()
+        events = self.close_text()
+        for item in self.calls.values():
+            item["status"] = "completed"
+            i = self.index(item["id"])
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                     output_index=i, name=item["name"],
+                                     arguments=item["arguments"]))  # fmt: skip
+            events.append(self.event("response.output_item.done", output_index=i, item=item))
+        return events

@@ -1,0 +1,195 @@
+"""/v1/responses through the real server with the official client: a string and an item list,
+instructions, max_output_tokens (incomplete), a stream whose deltas make the final text,
+parse with a pydantic model, a function-tool round trip over previous_response_id, the stored
+response's retrieve / input_items / delete, previous_response_id after a restart, and the 400s
+naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from openai.types.responses import Response
+from pydantic import BaseModel
+
+from tests.e2e.conftest import Server, start_server, stop_server
+from tests.e2e.helpers import API_KEY, MODEL
+
+ARGS = [MODEL, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "128MiB"]
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Today's weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("responses")
+
+
+@pytest.fixture(scope="module")
+def rserver(data_dir: Path) -> Iterator[Server]:
+    server = start_server(ARGS, data_dir)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def rclient(rserver: Server) -> OpenAI:
+    return OpenAI(base_url=f"{rserver.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_string_input(rclient: OpenAI) -> None:
+    r = rclient.responses.create(model=MODEL, input="Say hello.", max_output_tokens=8,
+                                 temperature=0)  # fmt: skip
+    assert isinstance(r, Response) and r.id.startswith("resp_") and r.object == "response"
+    assert r.output[0].type == "message" and r.output[0].id.startswith("msg_")
+    assert r.output_text
+    assert (
+        r.usage is not None and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    )
+
+
+def test_item_list_and_instructions(rclient: OpenAI) -> None:
+    items = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Bye"}]},
+    ]
+    r = rclient.responses.create(model=MODEL, input=items, instructions="Be brief.",  # type: ignore[arg-type]
+                                 max_output_tokens=6, temperature=0)  # fmt: skip
+    assert r.instructions == "Be brief." and r.output_text
+    plain = rclient.responses.create(model=MODEL, input=items, instructions="Be brief. Use one short sentence, always.", max_output_tokens=6,  # type: ignore[arg-type]
+                                     temperature=0)  # fmt: skip
+    assert r.usage is not None and plain.usage is not None
+    assert (
+        plain.usage.input_tokens > r.usage.input_tokens
+    )  # longer instructions, a longer system message
+
+
+def test_max_output_tokens_incomplete(rclient: OpenAI) -> None:
+    r = rclient.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3,
+                                 temperature=0)  # fmt: skip
+    assert r.status == "incomplete"
+    assert r.incomplete_details is not None and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage is not None and r.usage.output_tokens == 3
+
+
+def test_stream(rclient: OpenAI) -> None:
+    kwargs = {"model": MODEL, "input": "Name a colour.", "max_output_tokens": 8, "temperature": 0}
+    whole = rclient.responses.create(**kwargs)  # type: ignore[call-overload]
+    deltas: list[str] = []
+    seqs: list[int] = []
+    types: list[str] = []
+    with rclient.responses.stream(**kwargs) as stream:
+        for event in stream:
+            seqs.append(event.sequence_number)
+            types.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert seqs == list(range(len(seqs)))
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert "".join(deltas) == final.output_text == whole.output_text
+    raw = list(rclient.responses.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    assert raw[-1].response.output_text == whole.output_text
+
+
+class City(BaseModel):
+    name: str
+    country: str
+
+
+def test_parse_json_schema(rclient: OpenAI) -> None:
+    r = rclient.responses.parse(model=MODEL, input="A city in France, as JSON.", text_format=City,
+                                max_output_tokens=60, temperature=0)  # fmt: skip
+    assert isinstance(r.output_parsed, City)
+
+
+def test_function_tool_round_trip(rclient: OpenAI, rserver: Server) -> None:
+    first = rclient.responses.create(
+        model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+        max_output_tokens=60,
+    )  # fmt: skip
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    assert calls[0].id is not None and calls[0].id.startswith("fc_")
+    follow = rclient.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=[WEATHER],  # type: ignore[list-item]
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": '{"temperature": 21}'}],
+        max_output_tokens=10, temperature=0,
+    )  # fmt: skip
+    assert follow.output[0].type == "message" and follow.previous_response_id == first.id
+    # retrieve, input items (newest first), delete, then 404
+    got = rclient.responses.retrieve(follow.id)
+    assert got.output_text == follow.output_text
+    items = rclient.responses.input_items.list(follow.id)
+    assert [i.type for i in items.data][:2] == ["function_call_output", "function_call"]
+    asc = rclient.responses.input_items.list(follow.id, order="asc", limit=1)
+    assert asc.data[0].type == "message" and asc.has_more
+    assert rclient.responses.delete(follow.id) is None
+    with pytest.raises(openai.NotFoundError) as e:
+        rclient.responses.retrieve(follow.id)
+    assert e.value.body["param"] == "response_id"  # type: ignore[index]
+    store_off = rclient.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        rclient.responses.retrieve(store_off.id)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"background": True}, "background"),
+        ({"include": ["file_search_call.results"]}, "include"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"previous_response_id": "resp_nope"}, "previous_response_id"),
+    ],
+)
+def test_unsupported_fields(rserver: Server, extra: dict[str, object], param: str) -> None:
+    body = {"model": MODEL, "input": "Hi", **extra}
+    r = httpx.post(f"{rserver.base_url}/v1/responses", json=body, headers=rserver.headers)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
+
+
+# NOTE: last: it stops the module's server.
+def test_previous_response_after_restart(rclient: OpenAI, rserver: Server, data_dir: Path) -> None:
+    first = rclient.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4,
+                                     temperature=0)  # fmt: skip
+    stop_server(rserver)
+    again = start_server(ARGS, data_dir)
+    try:
+        client = OpenAI(base_url=f"{again.base_url}/v1", api_key=API_KEY, max_retries=0)
+        follow = client.responses.create(
+            model=MODEL,
+            previous_response_id=first.id,
+            input="What is my name?",
+            max_output_tokens=4,
+        )
+        assert follow.usage is not None and first.usage is not None
+        assert follow.usage.input_tokens > first.usage.input_tokens
+        assert client.responses.retrieve(first.id).id == first.id
+    finally:
+        stop_server(again)
