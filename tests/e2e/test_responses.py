@@ -90,7 +90,7 @@ def test_max_output_tokens_incomplete(rclient: OpenAI) -> None:
 
 
 def test_stream(rclient: OpenAI) -> None:
-    kwargs = {"model": MODEL, "input": "Name a colour.", "max_output_tokens": 8, "temperature": 0}
+    kwargs = {"model": MODEL, "input": "Name a colour.", "max_output_tokens": 64, "temperature": 0}
     whole = rclient.responses.create(**kwargs)  # type: ignore[call-overload]
     deltas: list[str] = []
     seqs: list[int] = []
@@ -125,10 +125,11 @@ def test_function_tool_round_trip(rclient: OpenAI, rserver: Server) -> None:
     first = rclient.responses.create(
         model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],  # type: ignore[list-item]
         tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
-        max_output_tokens=60,
+        max_output_tokens=200,
     )  # fmt: skip
     calls = [item for item in first.output if item.type == "function_call"]
-    assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    assert calls, first.output
+    assert calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
     assert calls[0].id is not None and calls[0].id.startswith("fc_")
     follow = rclient.responses.create(
         model=MODEL, previous_response_id=first.id, tools=[WEATHER],  # type: ignore[list-item]
@@ -172,6 +173,24 @@ def test_unsupported_fields(rserver: Server, extra: dict[str, object], param: st
     r = httpx.post(f"{rserver.base_url}/v1/responses", json=body, headers=rserver.headers)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_stream_function_call(rclient: OpenAI) -> None:
+    with rclient.responses.stream(
+        model=MODEL, input="Weather in Rome?", tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="required", temperature=0, max_output_tokens=200,
+    ) as stream:  # fmt: skip
+        events = list(stream)
+        final = stream.get_final_response()
+    done = {e.item_id: e.arguments for e in events
+            if e.type == "response.function_call_arguments.done"}  # fmt: skip
+    deltas: dict[str, str] = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            deltas[e.item_id] = deltas.get(e.item_id, "") + e.delta
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert calls and done == deltas == {c.id: c.arguments for c in calls}
+    assert calls[0].name == "get_weather"
 
 
 # NOTE: last: it stops the module's server.
