@@ -166,6 +166,11 @@ def test_function_tool_round_trip(rclient: OpenAI, rserver: Server) -> None:
             "input[0].content[0].type",
         ),
         ({"previous_response_id": "resp_nope"}, "previous_response_id"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}},
+            "text.format",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
     ],
 )
 def test_unsupported_fields(rserver: Server, extra: dict[str, object], param: str) -> None:

@@ -20,6 +20,14 @@ from convoy.api.protocol_responses import Item, ResponseBody, ResponsesRequest, 
 from convoy.api.responses_store import ResponseStore, StoredResponse
 from convoy.api.serving_chat import ChatServing
 from convoy.sampling_params import SamplingParamsError
+from convoy.structured.params import StructuredOutputsError
+
+# Chat's fields, as the Responses request names them (400s name the field the client sent).
+_CHAT_PARAMS = {
+    "messages": "input",
+    "response_format": "text.format",
+    "max_completion_tokens": "max_output_tokens",
+}
 
 
 def not_found(response_id: str, param: str = "response_id") -> APIError:
@@ -91,7 +99,11 @@ class ResponsesServing:
             "model": self.chat.client.served_model_name, "output": [], "usage": None,
             **request.echo(),
         }  # fmt: skip
-        result = await self.chat.create(chat, record, size)
+        try:
+            result = await self.chat.create(chat, record, size)
+        except (SamplingParamsError, StructuredOutputsError) as e:
+            e.param = _CHAT_PARAMS.get(e.param, e.param)  # the Responses field it came from
+            raise
         if isinstance(result, ChatCompletionResponse):
             choice = result.choices[0]
             message = choice.message
