@@ -43,6 +43,7 @@ from convoy.api.protocol_info import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from convoy.api.protocol_responses import ResponsesRequest
 from convoy.api.responses_store import ResponseStore
 from convoy.api.routes.batches import add_batch_routes
 from convoy.api.routes.files import add_file_routes
@@ -72,7 +73,7 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree, n
 BodyT = TypeVar("BodyT", bound=BaseModel)
 # Request bodies the routes parse themselves (off the event loop), described in /openapi.json.
 BODY_MODELS: tuple[type[BaseModel], ...] = (
-    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+    CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest,
 )  # fmt: skip
 _SCHEMA_REF = "#/components/schemas/{model}"
 

@@ -29,13 +29,13 @@ async def _frames(events: AsyncGenerator[ResponseBody, None]) -> AsyncIterator[b
 
 
 def add_response_routes(app: FastAPI) -> None:
-    from convoy.api.server import _record, _until_disconnect, parse_body
+    from convoy.api.server import _STREAMS, _docs, _record, _until_disconnect, parse_body
 
     def serving() -> ResponsesServing:
         s: ResponsesServing = app.state.responses
         return s
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", **_docs(ResponseBody, ResponsesRequest, _STREAMS))
     async def create_response(request: Request) -> Response:
         body, size = await parse_body(request, ResponsesRequest)
         if body.stream:
