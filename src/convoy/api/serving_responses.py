@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from convoy.api.engine_client import ClosingGenerator
 from convoy.api.errors import APIError, from_exception
 from convoy.api.metrics import RequestRecord
 from convoy.api.protocol import ChatCompletionChunk, ChatCompletionResponse, UsageInfo
@@ -117,7 +118,10 @@ class ResponsesServing:
             _finish(response, choice.finish_reason, result.usage)
             await self._save(request, response, items)
             return ResponseBody(**response)
-        return _EventStream(self, request, response, items).run(result)
+        # closing the events closes the chat chunks (and so aborts the engine requests) even
+        # when the client left before the first event
+        return ClosingGenerator(_EventStream(self, request, response, items).run(result),
+                                result.aclose)  # fmt: skip
 
     async def _save(self, request: ResponsesRequest, response: Item, items: list[Item]) -> None:
         if request.store is not False and self.store is not None:

@@ -7,25 +7,42 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from convoy.api.errors import APIError
 from convoy.api.protocol_responses import ResponseBody, ResponsesRequest
 from convoy.api.serving_responses import ResponsesServing, not_found
 
 
-async def _frames(events: AsyncGenerator[ResponseBody, None]) -> AsyncIterator[bytes]:
+async def _frames(events: AsyncGenerator[ResponseBody, None]) -> AsyncGenerator[bytes, None]:
     """`event: <type>` and `data: {...}` per event (Responses' framing: no `[DONE]`)."""
-    try:
-        async for ev in events:
-            data = ev.model_dump_json()
-            yield f"event: {json.loads(data)['type']}\ndata: {data}\n\n".encode()
-    finally:
-        await events.aclose()
+    async for ev in events:
+        data = ev.model_dump_json()
+        yield f"event: {json.loads(data)['type']}\ndata: {data}\n\n".encode()
+
+
+class _EventResponse(StreamingResponse):
+    """Closes its events once the response ends, however it ended: also when the client left
+    before the body was read (Starlette never closes a body iterator), as sse.py's does."""
+
+    def __init__(self, events: AsyncGenerator[ResponseBody, None]) -> None:
+        self.events, self.frames = events, _frames(events)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(self.frames, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.frames.aclose()
+            finally:
+                await self.events.aclose()
 
 
 def add_response_routes(app: FastAPI) -> None:
@@ -41,9 +58,7 @@ def add_response_routes(app: FastAPI) -> None:
         if body.stream:
             events = await serving().create(body, _record(request), size)
             assert not isinstance(events, ResponseBody)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(_frames(events), media_type="text/event-stream",
-                                     headers=headers)  # fmt: skip
+            return _EventResponse(events)
         return await _until_disconnect(request, serving().create(body, _record(request), size))
 
     @app.get("/v1/responses/{response_id}")
