@@ -145,6 +145,8 @@ def test_function_tool_round_trip(rclient: OpenAI, rserver: Server) -> None:
     assert [i.type for i in items.data][:2] == ["function_call_output", "function_call"]
     asc = rclient.responses.input_items.list(follow.id, order="asc", limit=1)
     assert asc.data[0].type == "message" and asc.has_more
+    rest = rclient.responses.input_items.list(follow.id, order="asc", after=asc.data[0].id)
+    assert [i.id for i in rest.data] == [i.id for i in reversed(items.data)][1:]
     assert rclient.responses.delete(follow.id) is None
     with pytest.raises(openai.NotFoundError) as e:
         rclient.responses.retrieve(follow.id)
