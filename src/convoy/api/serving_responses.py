@@ -169,7 +169,7 @@ class _EventStream:
             err = from_exception(e)
             yield self.event("error", code=err.code, message=err.message, param=err.param)
             self.response.update(status="failed", output=self.output,
-                                 error={"code": err.code or "server_error",
+                                 error={"code": "server_error",
                                         "message": err.message})  # fmt: skip
             yield self.event("response.failed", response=self.snapshot())
             return
