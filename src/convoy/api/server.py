@@ -12,27 +12,25 @@ import gc
 import importlib.metadata
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError, install_error_handlers
-from convoy.api.metrics import RequestRecord, ServerMetrics
+from convoy.api.metrics import ServerMetrics
 from convoy.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
 from convoy.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
 )
 from convoy.api.protocol_batch import UPLOAD_ROUTES
 from convoy.api.protocol_info import (
@@ -46,13 +44,20 @@ from convoy.api.protocol_info import (
 from convoy.api.protocol_responses import ResponsesRequest
 from convoy.api.responses_store import ResponseStore
 from convoy.api.routes.batches import add_batch_routes
+from convoy.api.routes.common import (
+    SCHEMA_REF,
+    STREAMS,
+    docs,
+    parse_body,
+    record,
+    until_disconnect,
+)
 from convoy.api.routes.files import add_file_routes
 from convoy.api.routes.responses import add_response_routes
 from convoy.api.serving_base import off_loop
 from convoy.api.serving_chat import ChatServing, chat_text
 from convoy.api.serving_completion import CompletionServing
 from convoy.api.serving_responses import ResponsesServing
-from convoy.api.sse import sse_response
 from convoy.batch.db import BatchDB, DataDirBusy, default_data_dir
 from convoy.batch.executor import LineRunner
 from convoy.batch.service import BatchMetrics, lines_in_flight, local_routes, start_batches
@@ -75,7 +80,6 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 BODY_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest,
 )  # fmt: skip
-_SCHEMA_REF = "#/components/schemas/{model}"
 
 
 # Everything `convoy serve` configures: `.engine` (an EngineConfig) plus the server's own fields.
@@ -230,7 +234,7 @@ def _describe_bodies(app: FastAPI) -> None:
             return app.openapi_schema
         schema = FastAPI.openapi(app)
         _, defs = models_json_schema(
-            [(m, "validation") for m in BODY_MODELS], ref_template=_SCHEMA_REF
+            [(m, "validation") for m in BODY_MODELS], ref_template=SCHEMA_REF
         )
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
         for name, sub in defs.get("$defs", {}).items():
@@ -241,90 +245,20 @@ def _describe_bodies(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-_STREAMS = "JSON, or `text/event-stream` when stream is true"
-
-
-def _docs(model: type[BaseModel], body: type[BaseModel], answer: str = "JSON") -> dict[str, Any]:
-    """OpenAPI for a route that parses `body` itself and answers `model` or a 400."""
-    ref = {"$ref": _SCHEMA_REF.format(model=body.__name__)}
-    return {
-        "response_model": None,
-        "responses": {
-            200: {"model": model, "description": answer},
-            400: {"model": ErrorResponse, "description": "invalid request"},
-        },
-        "openapi_extra": {
-            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}
-        },
-    }
-
-
-async def parse_body(request: Request, model: type[BodyT]) -> tuple[BodyT, int]:
-    """The body as `model` and its size in bytes; a large body is parsed in a worker thread.
-
-    Invalid bodies raise RequestValidationError, as FastAPI's own body parameters do, so the same
-    handler answers 400 naming the field.
-    """
-    raw = await request.body()
-    if not raw:
-        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
-        raise RequestValidationError([missing])
-    try:
-        body = await off_loop(len(raw), model.model_validate_json, raw)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        located = [{**err, "loc": ("body", *err["loc"])} for err in errors]
-        raise RequestValidationError(located) from None
-    return body, len(raw)
-
-
-def _record(request: Request) -> RequestRecord:
-    record: RequestRecord = request.state.record
-    return record
-
-
-async def _until_disconnect(
-    request: Request, work: Awaitable[BaseModel | AsyncGenerator[BaseModel, None]]
-) -> Response:
-    """Run `work`, cancelling it if the client goes away first (which aborts its engine requests).
-
-    Serving returns a response model (sent as JSON) or a chunk iterator (sent as SSE).
-    NOTE: the body has been read by now, so the next `receive()` only returns on disconnect.
-    A streaming route returns its iterator at once, so this only guards non-streaming work.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        watcher.cancel()
-        result = task.result()
-        if isinstance(result, BaseModel):  # skip FastAPI's slow jsonable_encoder pass
-            return Response(result.model_dump_json(), media_type="application/json")
-        return sse_response(result, _record(request).api_id or "")
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return Response(status_code=499)  # nobody reads it; the status marks the log line
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _add_generation_routes(app: FastAPI) -> None:
-    @app.post("/v1/completions", **_docs(CompletionResponse, CompletionRequest, _STREAMS))
+    @app.post("/v1/completions", **docs(CompletionResponse, CompletionRequest, STREAMS))
     async def completions(request: Request) -> Response:
         body, size = await parse_body(request, CompletionRequest)
-        work = app.state.completions.create(body, _record(request), size)
-        return await _until_disconnect(request, work)
+        work = app.state.completions.create(body, record(request), size)
+        return await until_disconnect(request, work)
 
     @app.post(
-        "/v1/chat/completions", **_docs(ChatCompletionResponse, ChatCompletionRequest, _STREAMS)
+        "/v1/chat/completions", **docs(ChatCompletionResponse, ChatCompletionRequest, STREAMS)
     )
     async def chat_completions(request: Request) -> Response:
         body, size = await parse_body(request, ChatCompletionRequest)
-        work = app.state.chat.create(body, _record(request), size)
-        return await _until_disconnect(request, work)
+        work = app.state.chat.create(body, record(request), size)
+        return await until_disconnect(request, work)
 
 
 def _add_info_routes(app: FastAPI, metrics: ServerMetrics) -> None:
@@ -350,12 +284,12 @@ def _add_info_routes(app: FastAPI, metrics: ServerMetrics) -> None:
         client().check_model(model_id)
         return card()
 
-    @app.post("/tokenize", **_docs(TokenizeResponse, TokenizeRequest))
+    @app.post("/tokenize", **docs(TokenizeResponse, TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         body, size = await parse_body(request, TokenizeRequest)
         return await off_loop(size, _json, _tokenize, client(), body)
 
-    @app.post("/detokenize", **_docs(DetokenizeResponse, DetokenizeRequest))
+    @app.post("/detokenize", **docs(DetokenizeResponse, DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         body, size = await parse_body(request, DetokenizeRequest)
         return await off_loop(size, _json, _detokenize, client(), body)

@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from convoy.api.errors import APIError
 from convoy.api.protocol_responses import ResponseBody, ResponsesRequest
+from convoy.api.routes.common import STREAMS, docs, parse_body, record, until_disconnect
 from convoy.api.serving_responses import ResponsesServing, not_found
 
 
@@ -46,20 +47,18 @@ class _EventResponse(StreamingResponse):
 
 
 def add_response_routes(app: FastAPI) -> None:
-    from convoy.api.server import _STREAMS, _docs, _record, _until_disconnect, parse_body
-
     def serving() -> ResponsesServing:
         s: ResponsesServing = app.state.responses
         return s
 
-    @app.post("/v1/responses", **_docs(ResponseBody, ResponsesRequest, _STREAMS))
+    @app.post("/v1/responses", **docs(ResponseBody, ResponsesRequest, STREAMS))
     async def create_response(request: Request) -> Response:
         body, size = await parse_body(request, ResponsesRequest)
         if body.stream:
-            events = await serving().create(body, _record(request), size)
+            events = await serving().create(body, record(request), size)
             assert not isinstance(events, ResponseBody)
             return _EventResponse(events)
-        return await _until_disconnect(request, serving().create(body, _record(request), size))
+        return await until_disconnect(request, serving().create(body, record(request), size))
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
