@@ -19,6 +19,8 @@ from convoy.model_config import ModelConfig
 from convoy.models.gguf_convert import _config, read_gguf
 from convoy.models.loader import ResolvedModel
 from convoy.models.registry import gguf_family
+from tests.models.quantize_more import TYPES as MORE_TYPES
+from tests.models.quantize_more import quantize_more
 
 _LAYER = {
     "input_layernorm": "attn_norm",
@@ -93,7 +95,8 @@ def write_gguf(model: Any, arch: str, path: Path, qtype: GGMLQuantizationType) -
             t = t + 1.0  # llama.cpp stores Gemma's (1 + w) scales with the one added
         router = name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
         if t.ndim >= 2 and qtype != GGMLQuantizationType.F32 and not router:
-            w.add_tensor(name, quantize(t, qtype), raw_dtype=qtype)
+            blocks = quantize_more(t, qtype) if qtype in MORE_TYPES else quantize(t, qtype)
+            w.add_tensor(name, blocks, raw_dtype=qtype)
         else:
             w.add_tensor(name, t)
 

@@ -24,7 +24,9 @@ from convoy.kernels import builder
 from convoy.kernels.linear import QuantLinear, panel_kind
 from convoy.kernels.ops import (
     QUANT_BLOCKS,
+    QUANT_KIND_I4,
     QUANT_KIND_Q4,
+    QUANT_KIND_Q4D,
     QUANT_KIND_Q8,
     QUANT_KIND_Q8M,
     QUANT_KIND_Q8S,
@@ -34,12 +36,16 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 KQUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
+# kept since #25: the IQ4 codebook (kind I4) and Q2_K / Q3_K (kind Q4D: a scale and an offset a half)
+NEWER = [T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K]
 SHAPES = {32: [(1, 32), (7, 64), (45, 96)], 256: [(3, 256), (45, 512)]}  # (N, K) by block size
 BATCHES = [1, 2, 3, 4, 5, 17, 64, 65, 300]  # M: register-tile, tile and thread remainders
 HALF_FIELDS = {  # byte offsets of a GGUF block's fp16 scale (and min/offset) fields
     T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
     T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+    T.IQ4_NL: [0], T.IQ4_XS: [0], T.Q2_K: [80, 82], T.Q3_K: [108],
 }  # fmt: skip
+EXACT = {*LEGACY, T.IQ4_NL}  # scales stored as they are used (no fp16-rounded products)
 
 
 def _blocks(n: int, k: int, qtype: T, seed: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -84,13 +90,13 @@ def _check(layer: QuantLinear, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor
     return full
 
 
-@pytest.mark.parametrize("qtype", LEGACY + KQUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS + NEWER, ids=lambda t: t.name)
 def test_every_type_matches_the_references_for_every_batch_size(qtype: T) -> None:
     for n, k in SHAPES[QUANT_BLOCKS[int(qtype)][0]]:
         blocks, w = _blocks(n, k, qtype, seed=n + k)
         layer = QuantLinear(blocks, int(qtype), k, None)
         rows = layer.dequantize_rows(torch.arange(n))
-        _assert_dequantized(rows, w, exact=qtype in LEGACY)
+        _assert_dequantized(rows, w, exact=qtype in EXACT)
         x = torch.randn(max(BATCHES), k, generator=torch.Generator().manual_seed(k))
         full = _check(layer, x, rows)
         for m in BATCHES:  # batch invariance: each row is the same bits alone and in any batch
@@ -104,8 +110,12 @@ def test_batch_invariance_for_every_batch_size_up_to_300() -> None:
     q8 = QuantLinear(blocks, int(T.Q6_K), 512, None)
     blocks, _ = _blocks(45, 512, T.Q8_0, seed=6)
     q8s = QuantLinear(blocks, int(T.Q8_0), 512, None)
+    blocks, _ = _blocks(45, 512, T.IQ4_XS, seed=7)
+    i4 = QuantLinear(blocks, int(T.IQ4_XS), 512, None)
+    blocks, _ = _blocks(45, 512, T.Q3_K, seed=8)
+    q4d = QuantLinear(blocks, int(T.Q3_K), 512, None)
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(5))
-    for layer in (q4, q8, q8s):
+    for layer in (q4, q8, q8s, i4, q4d):
         full = layer(x)
         for m in range(1, 301):
             assert torch.equal(layer(x[:m]), full[:m]), m
@@ -133,7 +143,20 @@ def test_mixed_types_join_into_one_panel_kind() -> None:
     assert panel_kind([int(T.Q5_0), int(T.Q8_0), int(T.Q6_K)]) == QUANT_KIND_Q8
     assert panel_kind([int(T.Q4_K), int(T.Q6_K)]) == QUANT_KIND_Q8M
     assert panel_kind([int(T.Q5_0), int(T.Q8_0)]) == QUANT_KIND_Q8S
-    for types in ([T.Q5_0, T.Q5_0, T.Q8_0], [T.Q8_0, T.Q6_K], [T.Q4_K, T.Q6_K], [T.Q4_1, T.Q5_1]):
+    assert panel_kind([int(T.IQ4_NL), int(T.IQ4_XS)]) == QUANT_KIND_I4
+    assert panel_kind([int(T.IQ4_XS), int(T.Q8_0)]) == QUANT_KIND_Q8S
+    assert panel_kind([int(T.IQ4_XS), int(T.Q4_K)]) == QUANT_KIND_Q8M
+    assert panel_kind([int(T.Q3_K), int(T.Q2_K)]) == QUANT_KIND_Q4D
+    assert panel_kind([int(T.Q3_K), int(T.Q4_K)]) == QUANT_KIND_Q4D
+    assert panel_kind([int(T.Q3_K), int(T.Q6_K)]) == QUANT_KIND_Q8
+    assert panel_kind([int(T.Q3_K), int(T.Q5_K)]) == QUANT_KIND_Q8M
+    with pytest.raises(ValueError, match="no panel kind"):
+        panel_kind([int(T.Q2_K), int(T.Q6_K)])
+    for types in (
+        [T.Q5_0, T.Q5_0, T.Q8_0], [T.Q8_0, T.Q6_K], [T.Q4_K, T.Q6_K], [T.Q4_1, T.Q5_1],
+        [T.IQ4_XS, T.IQ4_XS, T.Q8_0], [T.IQ4_NL, T.Q4_K], [T.Q3_K, T.Q3_K, T.Q5_K],
+        [T.Q3_K, T.Q6_K], [T.Q2_K, T.Q3_K, T.Q4_K], [T.Q4_0, T.Q2_K],
+    ):  # fmt: skip
         parts = [_blocks(16, 256, t, seed=i) for i, t in enumerate(types)]
         parts[-1] = _blocks(13, 256, types[-1], seed=9)  # the last part may end mid-panel
         pairs = [(int(t), b) for t, (b, _) in zip(types, parts, strict=True)]
@@ -176,7 +199,7 @@ def test_rejects_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="bytes do not hold"):
         QuantLinear(blocks, int(T.Q8_0), 96, None)
     with pytest.raises(ValueError, match="unsupported"):
-        QuantLinear(blocks, int(T.Q2_K), 64, None)
+        QuantLinear(blocks, int(T.IQ2_XXS), 64, None)
     with pytest.raises(ValueError, match="divisible"):
         QuantLinear(blocks, int(T.Q4_K), 64, None)
     odd, _ = _blocks(5, 64, T.Q8_0, seed=3)
@@ -193,7 +216,8 @@ from convoy import kernels
 kernels.build()
 from convoy.kernels.linear import QuantLinear
 cases = torch.load(sys.argv[1])
-torch.save([QuantLinear(b, t, k, None)(x) for t, b, k, x in cases], sys.argv[2])
+layer = lambda t, b, k: QuantLinear.from_parts(t, k, None) if b is None else QuantLinear(b, t, k, None)
+torch.save([layer(t, b, k)(x) for t, b, k, x in cases], sys.argv[2])
 """
 
 
@@ -204,7 +228,7 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
     if builder.isa() == "generic":
         pytest.skip("this host cannot run AVX2 code")
     cases = []
-    for i, qtype in enumerate([T.Q4_1, T.Q8_0, T.Q5_K, T.Q6_K]):
+    for i, qtype in enumerate([T.Q4_1, T.Q8_0, T.Q5_K, T.Q6_K, *NEWER]):
         blocks, _ = _blocks(21, 256, qtype, seed=i)
         cases.append((int(qtype), blocks, 256, torch.randn(9, 256)))
     torch.save(cases, tmp_path / "cases.pt")
@@ -217,4 +241,32 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
     )
     theirs = torch.load(tmp_path / "out.pt")
     for (qtype, blocks, k, x), other in zip(cases, theirs, strict=True):
-        assert torch.equal(QuantLinear(blocks, qtype, k, None)(x), other), qtype
+        assert torch.equal(_layer(qtype, blocks, k)(x), other), qtype
+
+
+def test_the_portable_build_gives_the_same_bits(tmp_path: Path) -> None:
+    """The plain C++ path (no SIMD: what a host without AVX2 runs) computes what this host's
+    SIMD path computes, for every panel kind: the same integer dots and float steps."""
+    cases = []
+    for i, qtype in enumerate([T.Q4_K, T.Q8_0, T.Q5_K, T.Q6_K, *NEWER]):
+        blocks, _ = _blocks(21, 256, qtype, seed=i)
+        cases.append((int(qtype), blocks, 256, torch.randn(37, 256)))
+    parts = [(int(T.Q3_K), _blocks(16, 256, T.Q3_K, seed=1)[0]), (int(T.Q5_K), cases[2][1])]
+    cases.append((parts, None, 256, torch.randn(5, 256)))  # Q3_K in 8-bit panels
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, builder.ISA_ENV: "generic"}
+    subprocess.run(
+        [sys.executable, "-c", _CROSS_CHECK, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+        env=env,
+        check=True,
+        timeout=900,
+    )
+    theirs = torch.load(tmp_path / "out.pt")
+    for (qtype, blocks, k, x), other in zip(cases, theirs, strict=True):
+        assert torch.equal(_layer(qtype, blocks, k)(x), other), qtype
+
+
+def _layer(qtype, blocks, k):  # noqa: ANN001, ANN202 - a case of _CROSS_CHECK
+    if blocks is None:
+        return QuantLinear.from_parts(qtype, k, None)
+    return QuantLinear(blocks, qtype, k, None)

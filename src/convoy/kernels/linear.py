@@ -30,7 +30,9 @@ from convoy import kernels
 from convoy.kernels.ops import (
     PANEL_ROWS,
     QUANT_BLOCKS,
+    QUANT_KIND_I4,
     QUANT_KIND_Q4,
+    QUANT_KIND_Q4D,
     QUANT_KIND_Q8,
     QUANT_KIND_Q8M,
     QUANT_KIND_Q8S,
@@ -40,6 +42,8 @@ from convoy.kernels.ops import (
     quant_linear_out,
     quant_pack,
 )
+
+Q2_K = 10  # GGML type id
 
 # Batch-size hint for the reorder; measured on 576x3072: the chosen layout serves M=1..300 alike.
 _PACK_HINT = 64
@@ -215,10 +219,20 @@ class QuantLinear(_PrepackedLinear):
 
 
 def panel_kind(qtypes: Sequence[int]) -> int:
-    """The panel kind that holds weights of all these GGUF types exactly."""
+    """The panel kind that holds weights of all these GGUF types exactly; ValueError where none
+    does (Q2_K's two offsets a block beside a type of int8 quants)."""
     kinds = {QUANT_TYPES[q] for q in qtypes}
-    if kinds == {QUANT_KIND_Q4}:
-        return QUANT_KIND_Q4
+    if len(kinds) == 1:
+        return kinds.pop()
+    if kinds <= {QUANT_KIND_Q4, QUANT_KIND_Q4D}:
+        return QUANT_KIND_Q4D  # a one-scale block is a two-scale one with equal halves
+    if Q2_K in qtypes:
+        raise ValueError(f"no panel kind holds GGUF types {sorted(set(qtypes))} together")
+    # IQ4's codebook values are int8 with one scale; Q3_K's quants are int8 -4..3, two scales
+    kinds = {
+        QUANT_KIND_Q8S if k == QUANT_KIND_I4 else QUANT_KIND_Q8 if k == QUANT_KIND_Q4D else k
+        for k in kinds
+    }
     if kinds & {QUANT_KIND_Q4, QUANT_KIND_Q8M}:
         return QUANT_KIND_Q8M
     if kinds == {QUANT_KIND_Q8S}:

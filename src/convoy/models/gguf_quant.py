@@ -12,16 +12,23 @@ row permutation), applied to row indices: a hook that does more than permute row
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from convoy.kernels.linear import panel_kind
 from convoy.kernels.ops import PANEL_ROWS
 from convoy.models.gguf_convert import field, hf_tensor_name
 from convoy.models.gguf_index import read_gguf_index
 from convoy.models.registry import gguf_family
+
+logger = logging.getLogger(__name__)
+
+# Types a linear may have without being a loss to dequantize: plain float tensors.
+_FLOAT_TYPES = {0}  # F32
 
 QuantWeight = tuple[int, torch.Tensor]  # (GGML type id, (N, row bytes) uint8 blocks)
 QuantParts = list[QuantWeight]  # one module's GGUF tensors, in row order
@@ -37,6 +44,7 @@ def quantized_linears(gguf_path: Path, model_dir: Path, types: set[int]) -> dict
     cfg = json.loads((model_dir / "config.json").read_text())
     fused = family.packed_modules
     parts: dict[str, dict[int, QuantWeight | None]] = {}
+    tensors: dict[str, list[tuple[str, int]]] = {}  # module -> its (GGUF tensor name, type)
     for t in reader.tensors:
         name = hf_tensor_name(t.name, family)
         if t.name == "token_embd.weight" and cfg.get("tie_word_embeddings"):
@@ -49,6 +57,7 @@ def quantized_linears(gguf_path: Path, model_dir: Path, types: set[int]) -> dict
         key = f"{module}.{target}" if module else target
         qtype = int(t.tensor_type)
         blocks = None
+        tensors.setdefault(key, []).append((t.name, qtype))
         if qtype in types and t.data.ndim == 3:  # (experts, rows, bytes): never reordered
             blocks = _rows(t.data, None)
         elif qtype in types:
@@ -56,7 +65,19 @@ def quantized_linears(gguf_path: Path, model_dir: Path, types: set[int]) -> dict
             if rows is not None:
                 blocks = _rows(t.data, rows)
         parts.setdefault(key, {})[shard] = None if blocks is None else (qtype, blocks)
-    return {key: w for key, shards in parts.items() if (w := _joined(shards)) is not None}
+    out = {key: w for key, shards in parts.items() if (w := _joined(shards)) is not None}
+    # (GGUF tensor name, type) of the linears left dequantized: a type not kept, or parts of one
+    # module that no panel kind holds together, or rows the family reorders beyond a permutation
+    unkept = [
+        (name, qtype)
+        for key, named in tensors.items()
+        if key not in out
+        for name, qtype in named
+        if qtype not in _FLOAT_TYPES
+    ]
+    if unkept:
+        _warn_unkept(gguf_path, unkept)
+    return out
 
 
 def _row_order(family: type, arch: str, name: str, n: int, cfg: dict) -> torch.Tensor | None:
@@ -88,4 +109,32 @@ def _joined(shards: dict[int, QuantWeight | None]) -> QuantParts | None:
     # Joined parts stack whole 8-row panels (kernels.linear.QuantLinear.from_parts).
     if any(b.shape[-2] % PANEL_ROWS for _, b in parts[:-1]):  # an expert tensor's rows: dim 1
         return None
+    try:
+        panel_kind([q for q, _ in parts])
+    except ValueError:  # no panel kind holds these types together (Q2_K beside int8 quants)
+        return None
     return parts
+
+
+def _warn_unkept(gguf_path: Path, unkept: list[tuple[str, int]]) -> None:
+    """One warning line: the linears whose GGUF types Convoy cannot keep quantized (they load
+    dequantized to the model's dtype: more memory, slower decode), a count per type and a few
+    tensor names."""
+    import gguf
+
+    def type_name(qtype: int) -> str:
+        try:
+            return gguf.GGMLQuantizationType(qtype).name
+        except ValueError:
+            return f"type {qtype}"
+
+    counts: dict[str, int] = {}
+    for _, qtype in unkept:
+        counts[type_name(qtype)] = counts.get(type_name(qtype), 0) + 1
+    per_type = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
+    examples = ", ".join(f"{name} ({type_name(q)})" for name, q in unkept[:3])
+    more = f", ... {len(unkept) - 3} more" if len(unkept) > 3 else ""
+    logger.warning(
+        "%s: %d linear tensors have types not kept quantized (%s); loading them dequantized: %s%s",
+        gguf_path, len(unkept), per_type, examples, more,
+    )  # fmt: skip

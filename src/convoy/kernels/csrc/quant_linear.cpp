@@ -8,6 +8,13 @@
 //   kQ8S (Q8_0, Q5_0):                int8 q,            fp16 d (m = 0)          272 B / 8x32
 //   kQ8  (Q6_K, or Q6_K with kQ8S):   int8 q,            fp16 d0, d1 (m = 0)     288 B / 8x32
 //   kQ8M (Q5_1, Q5_K, or mixed):      int8 q,            fp16 d0, d1, fp16 m     304 B / 8x32
+//   kI4  (IQ4_NL, IQ4_XS):            4-bit index into the IQ4 codebook (int8 values), fp16 d
+//                                                                                144 B / 8x32
+//   kQ4D (Q2_K, Q3_K, or with kQ4):   4-bit q 0..15, fp16 d0, d1, fp16 m0, m1      192 B / 8x32
+// (kQ4D: each 16-weight half has its own scale and offset; Q3_K's signed q -4..3 is stored as
+// q + 4 with offsets -4 d.) kI4 and kQ8S types in one linear are packed as kQ8S (the codebook's
+// values are int8), Q3_K with 8-bit kinds as kQ8/kQ8M (signed q, no offset); Q2_K's two offsets
+// fit no 8-bit kind.
 // A panel holds 8 weight rows: for each 32-block, the quants of 8 rows interleaved so that one
 // 32-byte load gives 4 consecutive quants of each row in its own 32-bit lane, then the 8 rows'
 // scales (and offsets). Q4: load j (0..3) holds q[4j..4j+3] in its low nibbles and q[16+4j..] in
@@ -61,11 +68,15 @@ constexpr int64_t R = 8;    // weight rows per panel
 constexpr int64_t kTileM = 64;  // activation rows per tile: their int8 blocks stay in L2
 constexpr int64_t kMR = 4;      // activation rows per register tile
 
-enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kQ8M = 2, kQ8S = 3 };
+enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kQ8M = 2, kQ8S = 3, kI4 = 4, kQ4D = 5 };
 
 // GGML type ids (gguf.GGMLQuantizationType)
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
-                  Q6_K = 14;
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
+                  Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23;
+
+// IQ4_NL / IQ4_XS's non-linear codebook (ggml-common.h kvalues_iq4nl)
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
 
 struct TypeInfo {
   int64_t elems, bytes;  // per GGUF block
@@ -78,6 +89,10 @@ TypeInfo type_info(int64_t t) {
     case Q5_0: return {32, 22};
     case Q5_1: return {32, 24};
     case Q8_0: return {32, 34};
+    case Q2_K: return {256, 84};
+    case Q3_K: return {256, 110};
+    case IQ4_NL: return {32, 18};
+    case IQ4_XS: return {256, 136};
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
@@ -91,6 +106,8 @@ int64_t kind_block_bytes(int64_t kind) {
     case kQ8: return 8 * 32 + 2 * 16;
     case kQ8M: return 8 * 32 + 3 * 16;
     case kQ8S: return 8 * 32 + 16;
+    case kI4: return 4 * 32 + 16;
+    case kQ4D: return 4 * 32 + 4 * 16;
     default: TORCH_CHECK(false, "unknown panel kind ", kind);
   }
 }
@@ -111,7 +128,7 @@ inline uint16_t float_to_half(float f) {
 
 struct Decoded {
   int q[QK];
-  float d0, d1, m;
+  float d0, d1, m, m1;  // m1: the second half's offset (Q2_K; every other type: m1 == m)
 };
 
 // K-quant 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes
@@ -125,9 +142,67 @@ inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& mn) {
   }
 }
 
-void decode(int64_t t, const uint8_t* row, int64_t b, Decoded& o) {
+void decode_block(int64_t t, const uint8_t* row, int64_t b, Decoded& o) {
   o.m = 0.f;
   switch (t) {
+    case IQ4_NL:
+    case IQ4_XS: {
+      const uint8_t* qs;
+      if (t == IQ4_NL) {
+        const uint8_t* p = row + b * 18;
+        o.d0 = o.d1 = half_to_float(p);
+        qs = p + 2;
+      } else {  // d, scales_h (u16), scales_l[4], qs[128]: a 6-bit scale (minus 32) per 32
+        const int64_t sb = b / 8;
+        const int ib = static_cast<int>(b % 8);
+        const uint8_t* p = row + sb * 136;
+        const int sh = p[2] | (p[3] << 8);
+        const int ls = ((p[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4);
+        o.d0 = o.d1 = half_to_float(p) * static_cast<float>(ls - 32);
+        qs = p + 8 + 16 * ib;
+      }
+      for (int j = 0; j < 16; ++j) {
+        o.q[j] = kIQ4Values[qs[j] & 0x0F];
+        o.q[j + 16] = kIQ4Values[qs[j] >> 4];
+      }
+      return;
+    }
+    case Q2_K: {  // scales[16] (4-bit scale | 4-bit min << 4 per 16), qs[64], d, dmin
+      const int64_t sb = b / 8;
+      const int s = static_cast<int>(b % 8), n = s / 4, sh = 2 * (s % 4);
+      const uint8_t* p = row + sb * 84;
+      const float d = half_to_float(p + 80), dmin = half_to_float(p + 82);
+      const uint8_t* qs = p + 16 + 32 * n;
+      const uint8_t sc0 = p[2 * s], sc1 = p[2 * s + 1];
+      o.d0 = d * static_cast<float>(sc0 & 0x0F);
+      o.d1 = d * static_cast<float>(sc1 & 0x0F);
+      o.m = -dmin * static_cast<float>(sc0 >> 4);
+      o.m1 = -dmin * static_cast<float>(sc1 >> 4);
+      for (int l = 0; l < QK; ++l) o.q[l] = (qs[l] >> sh) & 3;
+      return;
+    }
+    case Q3_K: {  // hmask[32], qs[64], scales[12] (16 6-bit scales, minus 32), d
+      const int64_t sb = b / 8;
+      const int s = static_cast<int>(b % 8), n = s / 4, j = s % 4;
+      const uint8_t* p = row + sb * 110;
+      const uint8_t* hm = p;
+      const uint8_t* qs = p + 32 + 32 * n;
+      const uint8_t* sc = p + 96;
+      int scale[2];
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * s + h;  // 0..15: low 4 bits in sc[0..7], high 2 bits in sc[8..11]
+        const int lo = i < 8 ? sc[i] & 0x0F : sc[i - 8] >> 4;
+        const int hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+        scale[h] = (lo | (hi << 4)) - 32;
+      }
+      const float d = half_to_float(p + 108);
+      o.d0 = d * static_cast<float>(scale[0]);
+      o.d1 = d * static_cast<float>(scale[1]);
+      const int bit = 4 * n + j;
+      for (int l = 0; l < QK; ++l)
+        o.q[l] = ((qs[l] >> (2 * j)) & 3) - (((hm[l] >> bit) & 1) ? 0 : 4);
+      return;
+    }
     case Q4_0:
     case Q4_1: {
       const uint8_t* p = row + b * (t == Q4_0 ? 18 : 20);
@@ -205,22 +280,55 @@ void decode(int64_t t, const uint8_t* row, int64_t b, Decoded& o) {
   }
 }
 
+// Block b of a row of type t, as the panel kind wants it.
+void decode(int64_t t, const uint8_t* row, int64_t b, int64_t kind, Decoded& o) {
+  o.m1 = NAN;
+  decode_block(t, row, b, o);
+  if (std::isnan(o.m1)) o.m1 = o.m;  // the type has one offset
+  if (t == Q3_K && kind == kQ4D) {  // q + 4 in 0..7, offsets -4 d (exact: a power of two)
+    for (int j = 0; j < QK; ++j) o.q[j] += 4;
+    o.m = -4.f * o.d0;
+    o.m1 = -4.f * o.d1;
+  }
+}
+
 // Decoded blocks of 8 rows (rows past N are zero) -> one panel block.
+int iq4_index(int v) {
+  for (int i = 0; i < 16; ++i)
+    if (kIQ4Values[i] == v) return i;
+  TORCH_CHECK(false, "IQ4 panel: a value outside the codebook");
+}
+
 void pack_block(const Decoded* rows, int64_t kind, uint8_t* out) {
   uint16_t* scales;
-  if (kind == kQ4) {
+  if (kind == kQ4 || kind == kI4 || kind == kQ4D) {
     for (int j = 0; j < 4; ++j)
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < 4; ++t) {
-          const int lo = rows[r].q[4 * j + t], hi = rows[r].q[16 + 4 * j + t];
+          int lo = rows[r].q[4 * j + t], hi = rows[r].q[16 + 4 * j + t];
+          if (kind == kI4) {
+            lo = iq4_index(lo);
+            hi = iq4_index(hi);
+          }
           TORCH_CHECK(lo >= 0 && lo < 16 && hi >= 0 && hi < 16, "4-bit panel: quant out of range");
           out[32 * j + 4 * r + t] = static_cast<uint8_t>(lo | (hi << 4));
         }
     scales = reinterpret_cast<uint16_t*>(out + 128);
     for (int r = 0; r < R; ++r) {
-      TORCH_CHECK(rows[r].d0 == rows[r].d1, "4-bit panel: one scale per block");
-      scales[r] = float_to_half(rows[r].d0);
-      scales[R + r] = float_to_half(rows[r].m);
+      const Decoded& o = rows[r];
+      scales[r] = float_to_half(o.d0);
+      if (kind == kQ4D) {
+        scales[R + r] = float_to_half(o.d1);
+        scales[2 * R + r] = float_to_half(o.m);
+        scales[3 * R + r] = float_to_half(o.m1);
+        continue;
+      }
+      TORCH_CHECK(o.d0 == o.d1 && o.m == o.m1, "4-bit panel: one scale and offset per block");
+      if (kind == kQ4) {
+        scales[R + r] = float_to_half(o.m);
+      } else {
+        TORCH_CHECK(o.m == 0.f, "IQ4 panel: the type has an offset");
+      }
     }
     return;
   }
@@ -233,6 +341,7 @@ void pack_block(const Decoded* rows, int64_t kind, uint8_t* out) {
       }
   scales = reinterpret_cast<uint16_t*>(out + 256);
   for (int r = 0; r < R; ++r) {
+    TORCH_CHECK(rows[r].m == rows[r].m1, "8-bit panel: the type has two offsets a block");
     scales[r] = float_to_half(rows[r].d0);
     if (kind == kQ8S) {
       TORCH_CHECK(rows[r].d0 == rows[r].d1 && rows[r].m == 0.f, "8-bit panel: one scale, no offset");
@@ -266,9 +375,10 @@ at::Tensor quant_pack(const at::Tensor& blocks, int64_t qtype, int64_t kind, int
         for (int64_t r = 0; r < R; ++r) {
           const int64_t n = g * R + r;
           if (n < N) {
-            decode(qtype, sp + n * row_bytes, b, rows[r]);
+            decode(qtype, sp + n * row_bytes, b, kind, rows[r]);
           } else {
-            std::memset(&rows[r], 0, sizeof(Decoded));
+            std::memset(&rows[r], 0, sizeof(Decoded));  // scale 0
+            if (kind == kI4) std::fill(rows[r].q, rows[r].q + QK, kIQ4Values[0]);
           }
         }
         pack_block(rows, kind, op + (g * nb + b) * bsz);
@@ -277,26 +387,36 @@ at::Tensor quant_pack(const at::Tensor& blocks, int64_t qtype, int64_t kind, int
   return out;
 }
 
-inline void panel_scales(const uint8_t* blk, int64_t kind, int r, float& d0, float& d1, float& m) {
-  const int64_t off = kind == kQ4 ? 128 : 256;
-  d0 = half_to_float(blk + off + 2 * r);
+inline bool four_bit(int64_t kind) { return kind == kQ4 || kind == kI4 || kind == kQ4D; }
+
+// A panel row's scales and offsets: half 0 (weights 0..15) d0, m0; half 1 d1, m1
+inline void panel_scales(const uint8_t* blk, int64_t kind, int r, float& d0, float& d1, float& m0,
+                         float& m1) {
+  const int64_t off = four_bit(kind) ? 128 : 256;
+  const auto h = [&](int64_t i) { return half_to_float(blk + off + 2 * (i * R + r)); };
+  d0 = h(0);
+  d1 = d0;
+  m0 = 0.f;
   if (kind == kQ4) {
-    d1 = d0;
-    m = half_to_float(blk + off + 2 * (R + r));
-  } else if (kind == kQ8S) {
-    d1 = d0;
-    m = 0.f;
-  } else {
-    d1 = half_to_float(blk + off + 2 * (R + r));
-    m = kind == kQ8M ? half_to_float(blk + off + 2 * (2 * R + r)) : 0.f;
+    m0 = h(1);
+  } else if (kind == kQ4D) {
+    d1 = h(1);
+    m0 = h(2);
+    m1 = h(3);
+    return;
+  } else if (kind == kQ8 || kind == kQ8M) {
+    d1 = h(1);
+    if (kind == kQ8M) m0 = h(2);
   }
+  m1 = m0;
 }
 
 inline int panel_quant(const uint8_t* blk, int64_t kind, int r, int j) {
-  if (kind == kQ4) {
+  if (four_bit(kind)) {
     const int hi = j >= 16, jj = j % 16;
     const uint8_t byte = blk[32 * (jj / 4) + 4 * r + jj % 4];
-    return hi ? byte >> 4 : byte & 0x0F;
+    const int q = hi ? byte >> 4 : byte & 0x0F;
+    return kind == kI4 ? kIQ4Values[q] : q;
   }
   return static_cast<int8_t>(blk[32 * (j / 4) + 4 * r + j % 4]);
 }
@@ -321,10 +441,11 @@ at::Tensor quant_dequant_rows(const at::Tensor& packed, int64_t kind, int64_t K,
       const int r = static_cast<int>(ip[t] % R);
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = pp + (g * nb + b) * bsz;
-        float d0, d1, m;
-        panel_scales(blk, kind, r, d0, d1, m);
+        float d0, d1, m0, m1;
+        panel_scales(blk, kind, r, d0, d1, m0, m1);
         for (int j = 0; j < QK; ++j)
-          op[t * K + b * QK + j] = (j < 16 ? d0 : d1) * panel_quant(blk, kind, r, j) + m;
+          op[t * K + b * QK + j] =
+              (j < 16 ? d0 : d1) * panel_quant(blk, kind, r, j) + (j < 16 ? m0 : m1);
       }
     }
   });
@@ -339,6 +460,7 @@ struct ActBlock {
   float d;         // scale
   float s;         // d * sum(q)
   int32_t sa, sb;  // sum(q[0..15]), sum(q[16..31])
+  float s0, s1;    // d * sa, d * sb
 };
 
 void quantize_row(const float* x, ActBlock* out, int64_t nb) {
@@ -384,6 +506,8 @@ void quantize_row(const float* x, ActBlock* out, int64_t nb) {
     o.sa = sa;
     o.sb = sb;
     o.s = d * static_cast<float>(sa + sb);
+    o.s0 = d * static_cast<float>(sa);
+    o.s1 = d * static_cast<float>(sb);
   }
 }
 
@@ -414,22 +538,24 @@ inline void prefetch_ahead(const uint8_t* blk) {
 // two 16-weight halves), summed after the block: dpbusd has a latency of several cycles, and one
 // chain per row left the kernel latency-bound. Integer sums are exact, so the split changes no
 // result. P panels (2 with VNNI's 32 registers) share each broadcast of the activations.
-template <int MR, int P>
+// TWO (kQ4D): each half has its own scale and offset, so the halves' sums stay apart.
+template <int MR, int P, bool TWO>
 void panel_q4(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __m256 (*acc)[MR]) {
+  constexpr int64_t bsz = TWO ? 192 : 160;
   const __m256i low = _mm256_set1_epi8(0x0F);
 #ifndef CONVOY_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   for (int64_t b = 0; b < nb; ++b) {
     __m256i isum[P][2][MR];
-    for (int p = 0; p < P; ++p) prefetch_ahead<160>(wg[p] + b * 160);
+    for (int p = 0; p < P; ++p) prefetch_ahead<bsz>(wg[p] + b * bsz);
     for (int p = 0; p < P; ++p)
       for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       __m256i lo[P], hi[P];
       for (int p = 0; p < P; ++p) {
         const __m256i raw =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[p] + b * 160 + 32 * j));
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[p] + b * bsz + 32 * j));
         lo[p] = _mm256_and_si256(raw, low);
         hi[p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
       }
@@ -441,15 +567,35 @@ void panel_q4(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
           isum[p][1][i] = _mm256_dpbusd_epi32(isum[p][1][i], hi[p], xh);
 #else  // |pair sums| <= 2 * 15 * 127: eight of them fit int16
           isum[p][0][i] = _mm256_add_epi16(isum[p][0][i], _mm256_maddubs_epi16(lo[p], xl));
-          isum[p][0][i] = _mm256_add_epi16(isum[p][0][i], _mm256_maddubs_epi16(hi[p], xh));
+          isum[p][TWO][i] = _mm256_add_epi16(isum[p][TWO][i], _mm256_maddubs_epi16(hi[p], xh));
 #endif
         }
       }
     }
     for (int p = 0; p < P; ++p) {
-      const uint8_t* blk = wg[p] + b * 160;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
+      const uint8_t* blk = wg[p] + b * bsz;
+      const auto half8 = [&](int64_t off) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
+      };
+      if constexpr (TWO) {
+        const __m256 d0 = half8(128), d1 = half8(144), m0 = half8(160), m1 = half8(176);
+        for (int i = 0; i < MR; ++i) {
+#ifdef CONVOY_VNNI
+          const __m256i dot0 = isum[p][0][i], dot1 = isum[p][1][i];
+#else
+          const __m256i dot0 = _mm256_madd_epi16(isum[p][0][i], ones);
+          const __m256i dot1 = _mm256_madd_epi16(isum[p][1][i], ones);
+#endif
+          const __m256 dx = _mm256_set1_ps(x[i][b].d);
+          acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(dot0), acc[p][i]);
+          acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(dot1), acc[p][i]);
+          acc[p][i] = _mm256_fmadd_ps(m0, _mm256_set1_ps(x[i][b].s0), acc[p][i]);
+          acc[p][i] = _mm256_fmadd_ps(m1, _mm256_set1_ps(x[i][b].s1), acc[p][i]);
+        }
+        continue;
+      }
+      const __m256 d = half8(128);
+      const __m256 m = half8(144);
       for (int i = 0; i < MR; ++i) {
 #ifdef CONVOY_VNNI
         const __m256i dot = _mm256_add_epi32(isum[p][0][i], isum[p][1][i]);
@@ -464,11 +610,20 @@ void panel_q4(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
   }
 }
 
-// SINGLE (kQ8S): one scale per block, so the halves' exact sums are added and scaled once.
-template <int MR, int P, bool HAS_M, bool SINGLE>
+// SINGLE (kQ8S, kI4): one scale per block, so the halves' exact sums are added and scaled once.
+// LUT (kI4): the int8 weights are looked up from 4-bit indices in the 16-entry codebook (one
+// shuffle), laid out as kQ4's nibbles: load k's low nibbles are weights 4k.., its high 16 + 4k..
+template <int MR, int P, bool HAS_M, bool SINGLE, bool LUT = false>
 void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __m256 (*acc)[MR]) {
   static_assert(!(HAS_M && SINGLE), "kQ8S has no offsets");
-  constexpr int64_t bsz = SINGLE ? 272 : HAS_M ? 304 : 288;
+  static_assert(!LUT || SINGLE, "kI4 has one scale");
+  constexpr int64_t bsz = LUT ? 144 : SINGLE ? 272 : HAS_M ? 304 : 288;
+  constexpr int64_t soff = LUT ? 128 : 256;  // the scales' offset in a block
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i lut = _mm256_broadcastsi128_si256(
+      _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  (void)low;
+  (void)lut;
 #ifdef CONVOY_VNNI
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
 #else
@@ -479,12 +634,23 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
     for (int p = 0; p < P; ++p) prefetch_ahead<bsz>(wg[p] + b * bsz);
     for (int p = 0; p < P; ++p)
       for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
-    for (int k = 0; k < 4; ++k)
+    for (int k = 0; k < 4; ++k) {
+      __m256i raw[P];
+      if constexpr (LUT)
+        for (int p = 0; p < P; ++p)
+          raw[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[p] + b * bsz + 32 * k));
       for (int h = 0; h < 2; ++h) {
         const int kk = 4 * h + k;
         __m256i w[P];
         for (int p = 0; p < P; ++p) {
-          w[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[p] + b * bsz + 32 * kk));
+          if constexpr (LUT) {
+            const __m256i idx = h == 0 ? _mm256_and_si256(raw[p], low)
+                                       : _mm256_and_si256(_mm256_srli_epi16(raw[p], 4), low);
+            w[p] = _mm256_shuffle_epi8(lut, idx);
+          } else {
+            w[p] =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[p] + b * bsz + 32 * kk));
+          }
 #ifdef CONVOY_VNNI
           w[p] = _mm256_xor_si256(w[p], flip);  // w + 128 as u8; corrected below
 #endif
@@ -502,11 +668,12 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
           }
         }
       }
+    }
     for (int p = 0; p < P; ++p) {
       const uint8_t* blk = wg[p] + b * bsz;
       for (int h = 0; h < (SINGLE ? 1 : 2); ++h) {
         const __m256 d = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 256 + 16 * h)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + soff + 16 * h)));
         for (int i = 0; i < MR; ++i) {
           __m256i dot = SINGLE ? _mm256_add_epi32(isum[p][0][i], isum[p][1][i]) : isum[p][h][i];
 #ifdef CONVOY_VNNI
@@ -535,7 +702,11 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
   for (int p = 0; p < P; ++p)
     for (int i = 0; i < MR; ++i) acc[p][i] = _mm256_setzero_ps();
   if (kind == kQ4) {
-    panel_q4<MR, P>(wg, nb, x, acc);
+    panel_q4<MR, P, false>(wg, nb, x, acc);
+  } else if (kind == kQ4D) {
+    panel_q4<MR, P, true>(wg, nb, x, acc);
+  } else if (kind == kI4) {
+    panel_q8<MR, P, false, true, true>(wg, nb, x, acc);
   } else if (kind == kQ8S) {
     panel_q8<MR, P, false, true>(wg, nb, x, acc);
   } else if (kind == kQ8) {
@@ -567,18 +738,23 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = wg[n / R] + b * bsz;
         const ActBlock& a = x[i][b];
-        float d0, d1, m;
-        panel_scales(blk, kind, r, d0, d1, m);
+        float d0, d1, m0, m1;
+        panel_scales(blk, kind, r, d0, d1, m0, m1);
         int dot_a = 0, dot_b = 0;
         for (int j = 0; j < 16; ++j) dot_a += panel_quant(blk, kind, r, j) * a.q[j];
         for (int j = 16; j < QK; ++j) dot_b += panel_quant(blk, kind, r, j) * a.q[j];
-        if (kind == kQ4 || kind == kQ8S) {
+        if (kind == kQ4 || kind == kQ8S || kind == kI4) {
           acc = std::fma(d0 * a.d, static_cast<float>(dot_a + dot_b), acc);
         } else {
           acc = std::fma(d0 * a.d, static_cast<float>(dot_a), acc);
           acc = std::fma(d1 * a.d, static_cast<float>(dot_b), acc);
         }
-        if (kind == kQ4 || kind == kQ8M) acc = std::fma(m, a.s, acc);
+        if (kind == kQ4D) {
+          acc = std::fma(m0, a.s0, acc);
+          acc = std::fma(m1, a.s1, acc);
+        } else if (kind == kQ4 || kind == kQ8M) {
+          acc = std::fma(m0, a.s, acc);
+        }
       }
       out[i * ldo + n] = acc;
     }
