@@ -23,7 +23,10 @@ Mixes: `q4_0` (every matrix Q4_0; a tied embedding Q8_0, an untied head Q8_0) an
 llama.cpp's Q4_K_M rules in short: Q4_K, with Q6_K for attn_v and ffn_down (experts too) on the
 first and last eighth of the layers and every third between, Q6_K head (the tied embedding), and
 llama.cpp's fallbacks where a row is not a multiple of 256 (Q4_K -> Q5_0, Q6_K -> Q8_0: the
-1408-wide expert down projections).
+1408-wide expert down projections). `q3_k_m`: Q3_K, attn_v Q5_K on layers 0-1 and Q4_K after,
+ffn_down Q5_K on the first 1/16 of the layers, Q4_K on the more_bits ones, Q3_K elsewhere,
+attn_output Q4_K, Q6_K head. `iq4_xs`: IQ4_XS, Q6_K head (IQ4_NL where a row is not a multiple
+of 256).
 """
 
 from __future__ import annotations
@@ -73,8 +76,11 @@ SHAPES = {
         "qwen2moe", 24, 2048, 16, 16, 128, 0, False, 1000000.0, 60, 4, 1408, 5632, qkv_bias=True
     ),
 }
-MIXES = ("q4_0", "q4_k_m")
-FILE_TYPE = {"q4_0": 2, "q4_k_m": 15}  # llama_ftype: MOSTLY_Q4_0, MOSTLY_Q4_K_M
+MIXES = ("q4_0", "q4_k_m", "q3_k_m", "iq4_xs")
+# llama_ftype: MOSTLY_Q4_0, MOSTLY_Q4_K_M, MOSTLY_Q3_K_M, MOSTLY_IQ4_XS
+FILE_TYPE = {"q4_0": 2, "q4_k_m": 15, "q3_k_m": 12, "iq4_xs": 30}
+# llama.cpp's fallbacks for a row that is not a multiple of 256
+FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0, T.Q5_K: T.Q5_1, T.Q3_K: T.IQ4_NL, T.IQ4_XS: T.IQ4_NL}
 
 
 def smollm2_gguf() -> Path:
@@ -92,12 +98,25 @@ def more_bits(layer: int, layers: int) -> bool:
 def matrix_type(mix: str, role: str, layer: int, layers: int, row: int) -> GGMLQuantizationType:
     if mix == "q4_0":
         qtype = T.Q8_0 if role == "head" else T.Q4_0
-    elif role == "head" or role in ("attn_v", "ffn_down") and more_bits(layer, layers):
+    elif role == "head":
+        qtype = T.Q6_K
+    elif mix == "iq4_xs":
+        qtype = T.IQ4_XS
+    elif mix == "q3_k_m":  # llama.cpp's Q3_K_M rules for a dense model, in short
+        if role == "attn_v":
+            qtype = T.Q5_K if layer < 2 else T.Q4_K
+        elif role == "ffn_down":
+            qtype = T.Q5_K if layer < layers // 16 else T.Q4_K if more_bits(layer, layers) else T.Q3_K
+        elif role == "attn_output":
+            qtype = T.Q4_K
+        else:
+            qtype = T.Q3_K
+    elif role in ("attn_v", "ffn_down") and more_bits(layer, layers):
         qtype = T.Q6_K
     else:
         qtype = T.Q4_K
     if row % GGML_QUANT_SIZES[qtype][0]:
-        qtype = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0}.get(qtype, qtype)
+        qtype = FALLBACK.get(qtype, qtype)
     return qtype
 
 
@@ -122,6 +141,19 @@ def random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int)
         f16(2, d * 7.5)
     elif qtype == T.Q6_K:  # w = d * sc * (q - 32), sc int8, q 6-bit; d last
         f16(size - 2, SIGMA / (74.0 * 18.5))
+    elif qtype == T.Q5_K:  # as Q4_K with 5-bit q
+        d = SIGMA / (36.0 * 9.2)
+        f16(0, d)
+        f16(2, d * 15.5)
+    elif qtype == T.Q5_1:  # w = d * q + m, q 5-bit
+        f16(0, SIGMA / 9.2)
+        f16(2, -SIGMA * 15.5 / 9.2)
+    elif qtype == T.Q3_K:  # w = d * (sc - 32) * q, sc 6-bit, q -4..3 (rms 2.35); d last
+        f16(size - 2, SIGMA / (18.5 * 2.35))
+    elif qtype == T.IQ4_XS:  # w = d * (ls - 32) * codebook value (rms 67.4), ls 6-bit
+        f16(0, SIGMA / (18.5 * 67.4))
+    elif qtype == T.IQ4_NL:  # w = d * codebook value
+        f16(0, SIGMA / 67.4)
     else:
         raise ValueError(qtype)
     return b
