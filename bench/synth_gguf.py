@@ -14,6 +14,8 @@ a comparison is honest; the text is meaningless (run with EOS ignored). The shap
     llama-1b     Llama-3.2-1B: 16 layers, hidden 2048, 32/8 heads, ffn 8192, tied head
     llama-3b     Llama-3.2-3B: 28 layers, hidden 3072, 24/8 heads of 128, ffn 8192, tied head
     llama-7b     Mistral-7B / Llama-3-8B body: 32 layers, hidden 4096, 32/8 heads, ffn 14336
+    phi3-mini    Phi-3-mini-4k (`phi3`): 32 layers, hidden 3072, 32 heads of 96, ffn 8192, fused
+                 attn_qkv and ffn_up (gate and up in one), untied head, 4k context, no LongRoPE
     olmoe-7b-a1b OLMoE-1B-7B: 16 layers, hidden 2048, 16 heads of 128, 64 experts of 1024,
                  top-8 (written as `qwen3moe`: per-head q/k norms, llama.cpp and Convoy both run it)
     qwen-moe-a2.7b  Qwen1.5-MoE-A2.7B (`qwen2moe`): 24 layers, hidden 2048, 16 heads, qkv bias,
@@ -26,7 +28,8 @@ llama.cpp's fallbacks where a row is not a multiple of 256 (Q4_K -> Q5_0, Q6_K -
 1408-wide expert down projections). `q3_k_m`: Q3_K, attn_v Q5_K on layers 0-1 and Q4_K after,
 ffn_down Q5_K on the first 1/16 of the layers, Q4_K on the more_bits ones, Q3_K elsewhere,
 attn_output Q4_K, Q6_K head. `iq4_xs`: IQ4_XS, Q6_K head (IQ4_NL where a row is not a multiple
-of 256).
+of 256). A fused attn_qkv gets llama.cpp's own step up: Q5_K in q4_k_m, Q4_K in q3_k_m.
+The tokenizer is SmolLM2's (49,152 entries; Phi-3's own has 32,064), so a phi3-mini head is wider.
 """
 
 from __future__ import annotations
@@ -63,12 +66,16 @@ class Shape:
     shared_ffn: int = 0
     qkv_bias: bool = False
     qk_norm: bool = False
+    fused: bool = False  # Phi-3's layout: one attn_qkv and one ffn_up holding gate and up
+    context: int = 8192
 
 
 SHAPES = {
     "llama-1b": Shape("llama", 16, 2048, 32, 8, 64, 8192, True, 500000.0),
     "llama-3b": Shape("llama", 28, 3072, 24, 8, 128, 8192, True, 500000.0),
     "llama-7b": Shape("llama", 32, 4096, 32, 8, 128, 14336, False, 500000.0),
+    # Phi-3-mini-4k: 3.8B, fused qkv/gate_up, untied head, no LongRoPE at 4k context
+    "phi3-mini": Shape("phi3", 32, 3072, 32, 32, 96, 8192, False, 10000.0, fused=True, context=4096),
     "olmoe-7b-a1b": Shape(
         "qwen3moe", 16, 2048, 16, 16, 128, 0, False, 10000.0, 64, 8, 1024, qk_norm=True
     ),
@@ -102,6 +109,8 @@ def matrix_type(mix: str, role: str, layer: int, layers: int, row: int) -> GGMLQ
         qtype = T.Q6_K
     elif mix == "iq4_xs":
         qtype = T.IQ4_XS
+    elif role == "attn_qkv":  # llama.cpp: one step up from the mix's base type
+        qtype = T.Q4_K if mix == "q3_k_m" else T.Q5_K
     elif mix == "q3_k_m":  # llama.cpp's Q3_K_M rules for a dense model, in short
         if role == "attn_v":
             qtype = T.Q5_K if layer < 2 else T.Q4_K
@@ -184,12 +193,15 @@ def tensors(shape: Shape, mix: str, vocab: int) -> list[Tensor]:
             return Tensor(p + name + ".weight", dims, matrix_type(mix, role, i, n, dims[-1]))
 
         out.append(Tensor(p + "attn_norm.weight", (h,), T.F32, "ones"))
-        out += [
-            mat("attn_q", (q_rows, h), "attn_q"),
-            mat("attn_k", (kv_rows, h), "attn_k"),
-            mat("attn_v", (kv_rows, h), "attn_v"),
-            mat("attn_output", (h, q_rows), "attn_output"),
-        ]
+        if shape.fused:
+            out.append(mat("attn_qkv", (q_rows + 2 * kv_rows, h), "attn_qkv"))
+        else:
+            out += [
+                mat("attn_q", (q_rows, h), "attn_q"),
+                mat("attn_k", (kv_rows, h), "attn_k"),
+                mat("attn_v", (kv_rows, h), "attn_v"),
+            ]
+        out.append(mat("attn_output", (h, q_rows), "attn_output"))
         if shape.qkv_bias:
             out += [Tensor(p + f"attn_{x}.bias", (r,), T.F32, "zeros")
                     for x, r in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]  # fmt: skip
@@ -197,6 +209,12 @@ def tensors(shape: Shape, mix: str, vocab: int) -> list[Tensor]:
             out += [Tensor(p + f"attn_{x}_norm.weight", (shape.head_dim,), T.F32, "ones")
                     for x in ("q", "k")]  # fmt: skip
         out.append(Tensor(p + "ffn_norm.weight", (h,), T.F32, "ones"))
+        if shape.fused:
+            out += [
+                mat("ffn_up", (2 * shape.ffn, h), "ffn_up"),
+                mat("ffn_down", (h, shape.ffn), "ffn_down"),
+            ]
+            continue
         if not shape.experts:
             out += [
                 mat("ffn_gate", (shape.ffn, h), "ffn_gate"),
@@ -245,9 +263,11 @@ def write(shape_name: str, mix: str, path: Path, seed: int = 0) -> Path:
     reader = GGUFReader(smollm2_gguf())
     tmp = path.with_suffix(".partial")
     w = GGUFWriter(str(tmp), shape.arch)
-    w.add_name(f"synthetic {shape_name} ({mix})")
+    # NOTE: llama.cpp gives a model named "phi3" Phi-3's special tokens (</s>), which the SmolLM2
+    # vocabulary lacks: its load fails on them
+    w.add_name(f"synthetic {shape_name} ({mix})".replace("phi3", "phi"))
     w.add_file_type(FILE_TYPE[mix])
-    w.add_context_length(8192)
+    w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
     w.add_block_count(shape.layers)
     w.add_head_count(shape.heads)
