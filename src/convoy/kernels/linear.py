@@ -44,6 +44,8 @@ from convoy.kernels.ops import (
 )
 
 Q2_K = 10  # GGML type id
+# A GGUF's 16-bit linear types (GGML type id -> torch dtype), run by csrc/bf16_linear.cpp as stored
+SIXTEEN_BIT_TYPES: dict[int, torch.dtype] = {1: torch.float16, 30: torch.bfloat16}
 
 # Batch-size hint for the reorder; measured on 576x3072: the chosen layout serves M=1..300 alike.
 _PACK_HINT = 64
@@ -123,6 +125,35 @@ class Bf16PackedLinear(_PrepackedLinear):
         if not kernels.available():
             raise RuntimeError("the bf16 linear kernel could not be built (see the log)")
         return kernels.pack_bf16_weight(weight.to(torch.bfloat16))
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.bf16_linear(x, self.packed, self.bias, self.out_features)
+
+
+class Gguf16Linear(_PrepackedLinear):
+    """A GGUF's F16 or BF16 linear kept 16-bit: the rows (of one or more tensors, joined) are
+    repacked into bf16_linear.cpp's 16-wide panels of their own dtype and widened to fp32 in
+    registers; never an fp32 copy of the weight in memory."""
+
+    def __init__(
+        self, parts: Sequence[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None
+    ) -> None:
+        nn.Module.__init__(self)
+        qtypes = {q for q, _ in parts}
+        if len(qtypes) != 1 or not qtypes <= SIXTEEN_BIT_TYPES.keys():
+            raise ValueError(f"one 16-bit GGUF type expected, not {sorted(qtypes)}")
+        dtype = SIXTEEN_BIT_TYPES[qtypes.pop()]
+        rows = [b.reshape(b.shape[0], -1).view(torch.uint8).view(dtype) for _, b in parts]
+        if any(r.shape[1] != in_features for r in rows):
+            raise ValueError(f"rows of {[r.shape[1] for r in rows]} values, not {in_features}")
+        if not kernels.available():
+            raise RuntimeError("the bf16 linear kernel could not be built (see the log)")
+        self.in_features = in_features
+        self.out_features = sum(int(r.shape[0]) for r in rows)
+        self.kind = f"{'f16' if dtype == torch.float16 else 'bf16'}-kernel"
+        weight = rows[0] if len(rows) == 1 else torch.cat(rows)
+        self.packed = kernels.pack_bf16_weight(weight)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.bf16_linear(x, self.packed, self.bias, self.out_features)
@@ -244,8 +275,9 @@ QuantParts = list[tuple[int, torch.Tensor]]  # (GGML type id, (rows, bytes) uint
 
 
 def use_quantized(model: nn.Module, weights: dict[str, QuantParts]) -> int:
-    """Replace the `nn.Linear` named by each key with a QuantLinear of its parts; returns how
-    many were replaced (a tied lm_head stops sharing the embedding's weight)."""
+    """Replace the `nn.Linear` named by each key with a QuantLinear of its parts (a Gguf16Linear
+    for F16 or BF16 parts); returns how many were replaced (a tied lm_head stops sharing the
+    embedding's weight)."""
     count = 0
     for name, parts in weights.items():
         parent_name, _, attr = name.rpartition(".")
@@ -253,7 +285,11 @@ def use_quantized(model: nn.Module, weights: dict[str, QuantParts]) -> int:
         old = getattr(parent, attr)
         rows = sum(int(b.shape[0]) for _, b in parts)
         if isinstance(old, nn.Linear) and rows == old.out_features:
-            setattr(parent, attr, QuantLinear.from_parts(parts, old.in_features, old.bias))
+            if parts[0][0] in SIXTEEN_BIT_TYPES:
+                new: nn.Module = Gguf16Linear(parts, old.in_features, old.bias)
+            else:
+                new = QuantLinear.from_parts(parts, old.in_features, old.bias)
+            setattr(parent, attr, new)
             count += 1
     return count
 

@@ -32,14 +32,16 @@ def decode_attention(
 
 
 def pack_bf16_weight(w: torch.Tensor) -> torch.Tensor:
-    """(N, K) bf16 weight -> 16-wide K-major panels for `bf16_linear` (csrc/bf16_linear.cpp)."""
+    """(N, K) bf16 or fp16 weight -> 16-wide K-major panels of its dtype for `bf16_linear`
+    (csrc/bf16_linear.cpp)."""
     return torch.ops.convoy.pack_bf16_weight(w)
 
 
 def bf16_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """x (M, K) bf16 or fp32 @ packed weight (+ bias) -> (M, out_features) in x's dtype."""
+    """x (M, K) bf16 or fp32 @ packed bf16 or fp16 weight (+ bias) -> (M, out_features) in x's
+    dtype; the weights widen to fp32 in registers, the sums run in fp32."""
     return torch.ops.convoy.bf16_linear(x, packed, bias, out_features)
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from convoy.kernels.linear import panel_kind
+from convoy import kernels
+from convoy.kernels.linear import SIXTEEN_BIT_TYPES, panel_kind
 from convoy.kernels.ops import PANEL_ROWS
 from convoy.models.gguf_convert import field, hf_tensor_name
 from convoy.models.gguf_index import read_gguf_index
@@ -36,7 +37,10 @@ QuantParts = list[QuantWeight]  # one module's GGUF tensors, in row order
 
 def quantized_linears(gguf_path: Path, model_dir: Path, types: set[int]) -> dict[str, QuantParts]:
     """Module name -> its quantized weight, for every linear whose GGUF tensors all have a type
-    in `types`. `model_dir` is the converted folder (its config.json gives the head counts)."""
+    in `types`, or all one 16-bit type (F16 or BF16: rows of 2-byte values, for
+    kernels.linear.Gguf16Linear; not for expert tensors). `model_dir` is the converted folder (its
+    config.json gives the head counts)."""
+    sixteen = set(SIXTEEN_BIT_TYPES) if kernels.available() else set()
     reader = read_gguf_index(gguf_path)  # tensors and scalars only: no vocabulary arrays
     arch = field(reader, "general.architecture")
     family = gguf_family(arch)
@@ -60,7 +64,7 @@ def quantized_linears(gguf_path: Path, model_dir: Path, types: set[int]) -> dict
         tensors.setdefault(key, []).append((t.name, qtype))
         if qtype in types and t.data.ndim == 3:  # (experts, rows, bytes): never reordered
             blocks = _rows(t.data, None)
-        elif qtype in types:
+        elif qtype in types or (qtype in sixteen and t.data.ndim == 2):
             rows = _row_order(family, arch, name, int(t.data.shape[0]), cfg)
             if rows is not None:
                 blocks = _rows(t.data, rows)
@@ -106,6 +110,9 @@ def _joined(shards: dict[int, QuantWeight | None]) -> QuantParts | None:
     parts = [s for s in ordered if s is not None]
     if len(parts) != len(ordered):
         return None
+    qtypes = {q for q, _ in parts}
+    if qtypes & SIXTEEN_BIT_TYPES.keys():  # 16-bit rows join as they are, but of one type
+        return parts if len(qtypes) == 1 else None
     # Joined parts stack whole 8-row panels (kernels.linear.QuantLinear.from_parts).
     if any(b.shape[-2] % PANEL_ROWS for _, b in parts[:-1]):  # an expert tensor's rows: dim 1
         return None

@@ -38,7 +38,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from convoy.config import ConfigError
-from convoy.kernels.linear import QuantLinear, QuantParts, gather_in_huge_pages, use_quantized
+from convoy.kernels.linear import (
+    SIXTEEN_BIT_TYPES,
+    QuantLinear,
+    QuantParts,
+    gather_in_huge_pages,
+    use_quantized,
+)
 from convoy.model_config import ModelConfig
 from convoy.models.gguf_convert import (
     CONFIG_TENSORS,
@@ -246,7 +252,11 @@ def _load_quantized(
     embed: QuantLinear | None = None  # an untied embedding's own quantized rows
     if not cfg.tie_word_embeddings:
         embed = _embedding_blocks(resolved.weights_path, cfg.hidden_size, types)
-    is_embed_quantized = embed is not None or (cfg.tie_word_embeddings and "lm_head" in quant)
+    # a tied head kept 16-bit (Gguf16Linear) cannot serve the embedding's rows: those load dense
+    head = quant.get("lm_head")
+    is_embed_quantized = embed is not None or (
+        cfg.tie_word_embeddings and head is not None and head[0][0] not in SIXTEEN_BIT_TYPES
+    )
     skip = {f"{name}.weight" for name in quant}
     skip |= {f"{name}.{proj}.weight" for name in experts for proj in ("gate_up_proj", "down_proj")}
     if is_embed_quantized:

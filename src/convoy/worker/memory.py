@@ -85,14 +85,23 @@ def weights_bytes(weights_path: Path, dtype: torch.dtype, keep_types: set[int] |
     block size, the rest (and every tensor of a folder) at `dtype`'s element size."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     if weights_path.suffix == ".gguf":
+        from convoy.kernels.linear import SIXTEEN_BIT_TYPES
         from convoy.models.gguf_index import read_gguf_index
 
         index = read_gguf_index(weights_path)
+        names = {t.name for t in index.tensors}
         total = 0
         for t in index.tensors:
-            kept = keep_types is not None and int(t.tensor_type) in keep_types
+            qtype = int(t.tensor_type)
+            kept = keep_types is not None and qtype in keep_types
+            # F16/BF16 linears stay 16-bit (Gguf16Linear); a 16-bit embedding loads dense, and a
+            # head tied to it gets its own 16-bit copy
+            sixteen = keep_types is not None and qtype in SIXTEEN_BIT_TYPES and len(t.shape) == 2
+            if sixteen and t.name == "token_embd.weight":
+                total += t.n_elements * itemsize + (0 if "output.weight" in names else t.n_bytes)
+                continue
             # F32 norms stay F32 whatever the dtype: small either way
-            total += t.n_bytes if kept else t.n_elements * itemsize
+            total += t.n_bytes if kept or sixteen else t.n_elements * itemsize
         return total
     from safetensors import safe_open
 
