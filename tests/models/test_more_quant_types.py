@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from convoy.kernels.linear import QuantLinear
-from convoy.kernels.ops import QUANT_KIND_I4, QUANT_KIND_Q4D, QUANT_TYPES
+from convoy.kernels.ops import QUANT_KIND_I4, QUANT_KIND_Q3, QUANT_KIND_Q4D, QUANT_TYPES
 from convoy.models.loader import load_model
 from tests.models.gguf_from_hf import resolved_gguf, write_gguf
 from tests.models.harness import convoy_greedy
@@ -23,7 +23,7 @@ from tests.models.harness import convoy_greedy
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 KIND = {Q.IQ4_NL: QUANT_KIND_I4, Q.IQ4_XS: QUANT_KIND_I4, Q.Q2_K: QUANT_KIND_Q4D,
-        Q.Q3_K: QUANT_KIND_Q4D}  # fmt: skip
+        Q.Q3_K: QUANT_KIND_Q3}  # fmt: skip
 # Measured (seeded): top-1 IQ4_NL 0.983, IQ4_XS 0.992, Q2_K 0.975, Q3_K 0.983; perplexity ratios
 # 0.9999-1.0009
 TOP1_FLOOR = 0.9
@@ -72,7 +72,9 @@ def test_kept_in_their_blocks_with_stated_accuracy(qtype: Q, tmp_path: Path) -> 
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 57)]
     e_logits, _ = convoy_greedy(exact, cfg, prompts, steps=1)
     q_logits, q_tokens = convoy_greedy(quant, cfg, prompts, steps=6)
-    agree = sum(int((e.argmax(-1) == q.argmax(-1)).sum()) for e, q in zip(e_logits, q_logits, strict=True))
+    agree = sum(
+        int((e.argmax(-1) == q.argmax(-1)).sum()) for e, q in zip(e_logits, q_logits, strict=True)
+    )
     top1 = agree / sum(len(p) for p in prompts)
     ratio = math.exp(_nll(q_logits, prompts) - _nll(e_logits, prompts))
     print(f"{qtype.name}: top-1 {top1:.3f}, perplexity quantized / exact {ratio:.4f}")

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 LEGACY = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 HALF_FIELDS = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}  # fp16 scale fields of a block
-# Q8_0 and Q5_0 -> kQ8S, Q4_0 / Q4_1 / Q4_K -> kQ4, Q6_K -> kQ8, Q5_K -> kQ8M
-KINDS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.Q5_K]
+# Q8_0 -> kQ8S, Q4_0 / Q4_1 / Q4_K -> kQ4, Q6_K -> kQ6, Q5_K / Q5_0 -> kQ5 (bit planes)
+KINDS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q5_0]
 E, H, INTER = 8, 256, 256
 
 
@@ -280,8 +280,13 @@ def test_uneven_loads_against_a_dequantize_and_matmul_reference(qtype: Q) -> Non
     for t in (1, 5, 37, 300):
         x = _x(t, 30 + t)
         gen = torch.Generator().manual_seed(t)
-        ids = torch.stack([torch.zeros(t, dtype=torch.long),  # expert 0: every row
-                           torch.randint(1, E - 1, (t,), generator=gen)], 1)  # E-1: none
+        ids = torch.stack(
+            [
+                torch.zeros(t, dtype=torch.long),  # expert 0: every row
+                torch.randint(1, E - 1, (t,), generator=gen),
+            ],
+            1,
+        )  # E-1: none
         w = torch.rand(t, 2, generator=gen)
         out = ex(x, ids, w)
         ref = torch.zeros(t, H, dtype=torch.float64)

@@ -25,18 +25,24 @@ from convoy.kernels.linear import QuantLinear, panel_kind
 from convoy.kernels.ops import (
     QUANT_BLOCKS,
     QUANT_KIND_I4,
+    QUANT_KIND_Q3,
     QUANT_KIND_Q4,
     QUANT_KIND_Q4D,
+    QUANT_KIND_Q5,
+    QUANT_KIND_Q6,
     QUANT_KIND_Q8,
     QUANT_KIND_Q8M,
     QUANT_KIND_Q8S,
+    quant_linear,
+    quant_pack,
 )
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 KQUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
-# kept since #25: the IQ4 codebook (kind I4) and Q2_K / Q3_K (kind Q4D: a scale and an offset a half)
+# kept since #25: the IQ4 codebook (kind I4), Q2_K (kind Q4D: a scale and an offset a half) and
+# Q3_K (kind Q3, bit planes; Q5_* and Q6_K take kinds Q5 and Q6, bit planes too)
 NEWER = [T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K]
 SHAPES = {32: [(1, 32), (7, 64), (45, 96)], 256: [(3, 256), (45, 512)]}  # (N, K) by block size
 BATCHES = [1, 2, 3, 4, 5, 17, 64, 65, 300]  # M: register-tile, tile and thread remainders
@@ -113,9 +119,17 @@ def test_batch_invariance_for_every_batch_size_up_to_300() -> None:
     blocks, _ = _blocks(45, 512, T.IQ4_XS, seed=7)
     i4 = QuantLinear(blocks, int(T.IQ4_XS), 512, None)
     blocks, _ = _blocks(45, 512, T.Q3_K, seed=8)
-    q4d = QuantLinear(blocks, int(T.Q3_K), 512, None)
+    q3 = QuantLinear(blocks, int(T.Q3_K), 512, None)
+    blocks, _ = _blocks(45, 512, T.Q2_K, seed=9)
+    q4d = QuantLinear(blocks, int(T.Q2_K), 512, None)
+    blocks, _ = _blocks(45, 512, T.Q5_K, seed=10)
+    q5 = QuantLinear(blocks, int(T.Q5_K), 512, None)
+    assert [m.panel_kind for m in (q4, q8, q8s, i4, q3, q4d, q5)] == [
+        QUANT_KIND_Q4, QUANT_KIND_Q6, QUANT_KIND_Q8S, QUANT_KIND_I4, QUANT_KIND_Q3, QUANT_KIND_Q4D,
+        QUANT_KIND_Q5,
+    ]  # fmt: skip
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(5))
-    for layer in (q4, q8, q8s, i4, q4d):
+    for layer in (q4, q8, q8s, i4, q3, q4d, q5):
         full = layer(x)
         for m in range(1, 301):
             assert torch.equal(layer(x[:m]), full[:m]), m
@@ -148,14 +162,18 @@ def test_mixed_types_join_into_one_panel_kind() -> None:
     assert panel_kind([int(T.IQ4_XS), int(T.Q4_K)]) == QUANT_KIND_Q8M
     assert panel_kind([int(T.Q3_K), int(T.Q2_K)]) == QUANT_KIND_Q4D
     assert panel_kind([int(T.Q3_K), int(T.Q4_K)]) == QUANT_KIND_Q4D
-    assert panel_kind([int(T.Q3_K), int(T.Q6_K)]) == QUANT_KIND_Q8
+    assert panel_kind([int(T.Q3_K), int(T.Q6_K)]) == QUANT_KIND_Q6
     assert panel_kind([int(T.Q3_K), int(T.Q5_K)]) == QUANT_KIND_Q8M
+    assert panel_kind([int(T.Q4_K), int(T.Q5_K)]) == QUANT_KIND_Q5
+    assert panel_kind([int(T.Q4_0), int(T.Q5_0), int(T.Q5_1)]) == QUANT_KIND_Q5
+    assert panel_kind([int(T.Q5_K), int(T.Q6_K)]) == QUANT_KIND_Q8M
     with pytest.raises(ValueError, match="no panel kind"):
         panel_kind([int(T.Q2_K), int(T.Q6_K)])
     for types in (
         [T.Q5_0, T.Q5_0, T.Q8_0], [T.Q8_0, T.Q6_K], [T.Q4_K, T.Q6_K], [T.Q4_1, T.Q5_1],
         [T.IQ4_XS, T.IQ4_XS, T.Q8_0], [T.IQ4_NL, T.Q4_K], [T.Q3_K, T.Q3_K, T.Q5_K],
-        [T.Q3_K, T.Q6_K], [T.Q2_K, T.Q3_K, T.Q4_K], [T.Q4_0, T.Q2_K],
+        [T.Q3_K, T.Q6_K], [T.Q2_K, T.Q3_K, T.Q4_K], [T.Q4_0, T.Q2_K], [T.Q4_K, T.Q5_K],
+        [T.Q5_0, T.Q4_0, T.Q5_1], [T.Q5_K, T.Q6_K],
     ):  # fmt: skip
         parts = [_blocks(16, 256, t, seed=i) for i, t in enumerate(types)]
         parts[-1] = _blocks(13, 256, types[-1], seed=9)  # the last part may end mid-panel
@@ -166,6 +184,32 @@ def test_mixed_types_join_into_one_panel_kind() -> None:
         _assert_dequantized(rows, w.numpy(), exact=False)
         x = torch.randn(70, 256, generator=torch.Generator().manual_seed(1))
         _check(layer, x, rows)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "narrow", "wide"),
+    [(T.Q6_K, QUANT_KIND_Q6, QUANT_KIND_Q8), (T.Q3_K, QUANT_KIND_Q3, QUANT_KIND_Q8),
+     (T.Q5_0, QUANT_KIND_Q5, QUANT_KIND_Q8S), (T.Q5_K, QUANT_KIND_Q5, QUANT_KIND_Q8M)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)  # fmt: skip
+def test_bit_plane_panels_are_narrow_and_compute_what_8_bit_panels_do(
+    qtype: T, narrow: int, wide: int
+) -> None:
+    """The bit-plane kinds hold the file's quants in fewer bytes than the 8-bit panels they
+    replace, and give the same products: kQ6 and kQ3 the very bits of kQ8 (the offset comes off in
+    integers), kQ5 the same within float rounding (one scale a block where kQ8M has two)."""
+    n, k = 45, 512
+    blocks, _ = _blocks(n, k, qtype, seed=21)
+    a, b = (quant_pack(blocks, int(qtype), kind, k) for kind in (narrow, wide))
+    bits = {QUANT_KIND_Q6: 7, QUANT_KIND_Q3: 4, QUANT_KIND_Q5: 6}[narrow]
+    assert a.numel() == -(-n // 8) * 8 * k * bits // 8 < b.numel()  # bits a weight, scales in
+    assert a.numel() <= b.numel() * 0.8
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(22))
+    ya, yb = (quant_linear(x, p, kind, n, None) for p, kind in ((a, narrow), (b, wide)))
+    if narrow in (QUANT_KIND_Q6, QUANT_KIND_Q3):
+        assert torch.equal(ya, yb)
+    else:
+        assert torch.allclose(ya, yb, rtol=1e-5, atol=1e-5 * yb.abs().max().item())
 
 
 def test_bias_and_leading_dims() -> None:
@@ -238,7 +282,7 @@ def test_the_portable_build_gives_the_same_bits(tmp_path: Path) -> None:
     """The plain C++ path (no SIMD: what a host without AVX2 runs) computes what this host's
     SIMD path computes, for every panel kind: the same integer dots and float steps."""
     cases = []
-    for i, qtype in enumerate([T.Q4_K, T.Q8_0, T.Q5_K, T.Q6_K, *NEWER]):
+    for i, qtype in enumerate([T.Q4_K, T.Q8_0, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1, *NEWER]):
         blocks, _ = _blocks(21, 256, qtype, seed=i)
         cases.append((int(qtype), blocks, 256, torch.randn(37, 256)))
     parts = [(int(T.Q3_K), _blocks(16, 256, T.Q3_K, seed=1)[0]), (int(T.Q5_K), cases[2][1])]

@@ -30,13 +30,16 @@ from convoy import kernels
 from convoy.kernels.ops import (
     PANEL_ROWS,
     QUANT_BLOCKS,
-    QUANT_KIND_I4,
+    QUANT_KIND_Q3,
     QUANT_KIND_Q4,
     QUANT_KIND_Q4D,
+    QUANT_KIND_Q5,
+    QUANT_KIND_Q6,
     QUANT_KIND_Q8,
     QUANT_KIND_Q8M,
     QUANT_KIND_Q8S,
     QUANT_TYPES,
+    QUANT_TYPES_8BIT,
     quant_dequant_rows,
     quant_linear,
     quant_linear_out,
@@ -255,18 +258,21 @@ def panel_kind(qtypes: Sequence[int]) -> int:
     kinds = {QUANT_TYPES[q] for q in qtypes}
     if len(kinds) == 1:
         return kinds.pop()
-    if kinds <= {QUANT_KIND_Q4, QUANT_KIND_Q4D}:
-        return QUANT_KIND_Q4D  # a one-scale block is a two-scale one with equal halves
+    # Q3_K's q + 4 with offsets -4 d fits 4 bits; a one-scale block is a two-scale one with equal
+    # halves; 4-bit quants are 5-bit ones; Q3_K's q + 32 is a 6-bit quant
+    for narrow, holds in (
+        (QUANT_KIND_Q4D, {QUANT_KIND_Q4, QUANT_KIND_Q4D, QUANT_KIND_Q3}),
+        (QUANT_KIND_Q5, {QUANT_KIND_Q4, QUANT_KIND_Q5}),
+        (QUANT_KIND_Q6, {QUANT_KIND_Q3, QUANT_KIND_Q6}),
+    ):
+        if kinds <= holds:
+            return narrow
     if Q2_K in qtypes:
         raise ValueError(f"no panel kind holds GGUF types {sorted(set(qtypes))} together")
-    # IQ4's codebook values are int8 with one scale; Q3_K's quants are int8 -4..3, two scales
-    kinds = {
-        QUANT_KIND_Q8S if k == QUANT_KIND_I4 else QUANT_KIND_Q8 if k == QUANT_KIND_Q4D else k
-        for k in kinds
-    }
-    if kinds & {QUANT_KIND_Q4, QUANT_KIND_Q8M}:
+    eight = {QUANT_TYPES_8BIT[q] for q in qtypes}
+    if QUANT_KIND_Q8M in eight:
         return QUANT_KIND_Q8M
-    if kinds == {QUANT_KIND_Q8S}:
+    if eight == {QUANT_KIND_Q8S}:
         return QUANT_KIND_Q8S
     return QUANT_KIND_Q8  # Q6_K's two scales per block hold a one-scale type's too
 

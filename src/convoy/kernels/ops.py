@@ -48,24 +48,31 @@ def bf16_linear(
 # GGUF block types kept quantized (GGML type id -> the panel kind csrc/quant_linear.cpp packs it
 # into: 0 = 4-bit quants + scale + offset, 1 = int8 quants + two half-block scales, 2 = int8 quants
 # + two scales + offset, 3 = int8 quants + one scale, 4 = 4-bit indices into the IQ4 codebook +
-# one scale, 5 = 4-bit quants + two half-block scales and offsets) and their (weights, bytes) per
-# GGUF block.
+# one scale, 5 = 4-bit quants + two half-block scales and offsets, 6 = 5-bit quants in bit planes +
+# scale + offset, 7 = 6-bit and 8 = 3-bit quants in bit planes + two half-block scales) and their
+# (weights, bytes) per GGUF block.
 QUANT_KIND_Q4, QUANT_KIND_Q8, QUANT_KIND_Q8M, QUANT_KIND_Q8S = 0, 1, 2, 3
-QUANT_KIND_I4, QUANT_KIND_Q4D = 4, 5
+QUANT_KIND_I4, QUANT_KIND_Q4D, QUANT_KIND_Q5, QUANT_KIND_Q6, QUANT_KIND_Q3 = 4, 5, 6, 7, 8
 QUANT_TYPES: dict[int, int] = {
     2: QUANT_KIND_Q4,  # Q4_0
     3: QUANT_KIND_Q4,  # Q4_1
-    6: QUANT_KIND_Q8S,  # Q5_0
-    7: QUANT_KIND_Q8M,  # Q5_1
+    6: QUANT_KIND_Q5,  # Q5_0
+    7: QUANT_KIND_Q5,  # Q5_1
     8: QUANT_KIND_Q8S,  # Q8_0
     10: QUANT_KIND_Q4D,  # Q2_K
-    11: QUANT_KIND_Q4D,  # Q3_K
+    11: QUANT_KIND_Q3,  # Q3_K
     12: QUANT_KIND_Q4,  # Q4_K
-    13: QUANT_KIND_Q8M,  # Q5_K
-    14: QUANT_KIND_Q8,  # Q6_K
+    13: QUANT_KIND_Q5,  # Q5_K
+    14: QUANT_KIND_Q6,  # Q6_K
     20: QUANT_KIND_I4,  # IQ4_NL
     23: QUANT_KIND_I4,  # IQ4_XS
 }
+# The 8-bit kind each type takes in a linear joined from types no narrower kind holds together
+QUANT_TYPES_8BIT: dict[int, int] = {
+    2: QUANT_KIND_Q8M, 3: QUANT_KIND_Q8M, 6: QUANT_KIND_Q8S, 7: QUANT_KIND_Q8M, 8: QUANT_KIND_Q8S,
+    11: QUANT_KIND_Q8, 12: QUANT_KIND_Q8M, 13: QUANT_KIND_Q8M, 14: QUANT_KIND_Q8,
+    20: QUANT_KIND_Q8S, 23: QUANT_KIND_Q8S,
+}  # fmt: skip
 QUANT_BLOCKS: dict[int, tuple[int, int]] = {
     2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
     10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),

@@ -10,11 +10,19 @@
 //   kQ8M (Q5_1, Q5_K, or mixed):      int8 q,            fp16 d0, d1, fp16 m     304 B / 8x32
 //   kI4  (IQ4_NL, IQ4_XS):            4-bit index into the IQ4 codebook (int8 values), fp16 d
 //                                                                                144 B / 8x32
-//   kQ4D (Q2_K, Q3_K, or with kQ4):   4-bit q 0..15, fp16 d0, d1, fp16 m0, m1      192 B / 8x32
+//   kQ4D (Q2_K, or Q3_K with kQ4):    4-bit q 0..15, fp16 d0, d1, fp16 m0, m1      192 B / 8x32
+//   kQ5  (Q5_0, Q5_1, Q5_K, or kQ4):  5-bit q 0..31,     fp16 d, fp16 m          192 B / 8x32
+//   kQ6  (Q6_K, or Q3_K with it):     6-bit q + 32,      fp16 d0, d1 (m = 0)     224 B / 8x32
+//   kQ3  (Q3_K):                      3-bit q + 4,       fp16 d0, d1 (m = 0)     128 B / 8x32
 // (kQ4D: each 16-weight half has its own scale and offset; Q3_K's signed q -4..3 is stored as
 // q + 4 with offsets -4 d.) kI4 and kQ8S types in one linear are packed as kQ8S (the codebook's
 // values are int8), Q3_K with 8-bit kinds as kQ8/kQ8M (signed q, no offset); Q2_K's two offsets
 // fit no 8-bit kind.
+// (kQ5, kQ6, kQ3: the quants in bit planes, so that a panel is as narrow as the file's type: the
+// low 4 bits in kQ4's nibbles (kQ5, kQ6) or the low 2 in a 2-bit plane (kQ3), the rest in a 1-bit
+// (kQ5, kQ3) or 2-bit (kQ6) plane, all laid out lane by lane as the nibbles; kQ6's and kQ3's
+// stored quants are q + 32 and q + 4, and the integer dot takes 32 or 4 times the activations'
+// sum back off, exactly: their results are kQ8's bits.)
 // A panel holds 8 weight rows: for each 32-block, the quants of 8 rows interleaved so that one
 // 32-byte load gives 4 consecutive quants of each row in its own 32-bit lane, then the 8 rows'
 // scales (and offsets). Q4: load j (0..3) holds q[4j..4j+3] in its low nibbles and q[16+4j..] in
@@ -68,7 +76,15 @@ constexpr int64_t R = 8;    // weight rows per panel
 constexpr int64_t kTileM = 64;  // activation rows per tile: their int8 blocks stay in L2
 constexpr int64_t kMR = 4;      // activation rows per register tile
 
-enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kQ8M = 2, kQ8S = 3, kI4 = 4, kQ4D = 5 };
+enum Kind : int64_t {
+  kQ4 = 0, kQ8 = 1, kQ8M = 2, kQ8S = 3, kI4 = 4, kQ4D = 5, kQ5 = 6, kQ6 = 7, kQ3 = 8
+};  // fmt: the Python side's QUANT_KIND_* (kernels/ops.py)
+
+// Bit-plane kinds: the bytes of each part in a panel block, and the integer offset of the stored
+// quants (kQ5's offset is a float m, as kQ4's)
+constexpr int64_t kNibbleBytes = 4 * 32, kPlane2Bytes = 2 * 32, kPlane1Bytes = 32;
+inline bool bit_planes(int64_t kind) { return kind == kQ5 || kind == kQ6 || kind == kQ3; }
+inline int plane_offset(int64_t kind) { return kind == kQ6 ? 32 : kind == kQ3 ? 4 : 0; }
 
 // GGML type ids (gguf.GGMLQuantizationType)
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
@@ -108,6 +124,9 @@ int64_t kind_block_bytes(int64_t kind) {
     case kQ8S: return 8 * 32 + 16;
     case kI4: return 4 * 32 + 16;
     case kQ4D: return 4 * 32 + 4 * 16;
+    case kQ5: return kNibbleBytes + kPlane1Bytes + 2 * 16;
+    case kQ6: return kNibbleBytes + kPlane2Bytes + 2 * 16;
+    case kQ3: return kPlane2Bytes + kPlane1Bytes + 2 * 16;
     default: TORCH_CHECK(false, "unknown panel kind ", kind);
   }
 }
@@ -290,6 +309,10 @@ void decode(int64_t t, const uint8_t* row, int64_t b, int64_t kind, Decoded& o) 
     o.m = -4.f * o.d0;
     o.m1 = -4.f * o.d1;
   }
+  if (t == Q5_0 && kind == kQ5) {  // q + 16 in 0..31, offset -16 d (exact: a power of two)
+    for (int j = 0; j < QK; ++j) o.q[j] += 16;
+    o.m = o.m1 = -16.f * o.d0;
+  }
 }
 
 // Decoded blocks of 8 rows (rows past N are zero) -> one panel block.
@@ -299,7 +322,49 @@ int iq4_index(int v) {
   TORCH_CHECK(false, "IQ4 panel: a value outside the codebook");
 }
 
+// Bit-plane panels (kQ5, kQ6, kQ3): quant u of weight 16 h + 4 j + t of row r, stored as
+// u = q + plane_offset: its low 4 bits in nibble byte 32 j + 4 r + t (half h in nibble h), its
+// bits from `low` on in plane byte 4 r + t: a 1-bit plane holds bit 4 h + j, a 2-bit plane (one
+// 32-byte vector per half) bits 2 j, 2 j + 1.
+void pack_planes(const Decoded* rows, int64_t kind, uint8_t* out) {
+  const int low = kind == kQ3 ? 2 : 4, top = kind == kQ6 ? 6 : kind == kQ5 ? 5 : 3;
+  const int64_t nib = kind == kQ3 ? 0 : kNibbleBytes;  // the planes' start
+  std::memset(out, 0, static_cast<size_t>(kind_block_bytes(kind)));
+  for (int r = 0; r < R; ++r) {
+    const Decoded& o = rows[r];
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j)
+        for (int t = 0; t < 4; ++t) {
+          const int u = o.q[16 * h + 4 * j + t] + plane_offset(kind);
+          TORCH_CHECK(u >= 0 && u < (1 << top), "bit-plane panel: quant out of range");
+          const int byte = 4 * r + t, rest = u >> low;
+          if (kind == kQ3) {
+            out[32 * h + byte] |= static_cast<uint8_t>((u & 3) << (2 * j));
+            out[kPlane2Bytes + byte] |= static_cast<uint8_t>(rest << (4 * h + j));
+            continue;
+          }
+          out[32 * j + byte] |= static_cast<uint8_t>((u & 0x0F) << (4 * h));
+          if (kind == kQ5) {
+            out[nib + byte] |= static_cast<uint8_t>(rest << (4 * h + j));
+          } else {
+            out[nib + 32 * h + byte] |= static_cast<uint8_t>(rest << (2 * j));
+          }
+        }
+    uint16_t* scales = reinterpret_cast<uint16_t*>(out + kind_block_bytes(kind) - 32);
+    TORCH_CHECK(o.m == o.m1, "bit-plane panel: the type has two offsets a block");
+    scales[r] = float_to_half(o.d0);
+    if (kind == kQ5) {
+      TORCH_CHECK(o.d0 == o.d1, "5-bit panel: one scale a block");
+      scales[R + r] = float_to_half(o.m);
+    } else {
+      TORCH_CHECK(o.m == 0.f, "bit-plane panel with integer offsets: the type has a float one");
+      scales[R + r] = float_to_half(o.d1);
+    }
+  }
+}
+
 void pack_block(const Decoded* rows, int64_t kind, uint8_t* out) {
+  if (bit_planes(kind)) return pack_planes(rows, kind, out);
   uint16_t* scales;
   if (kind == kQ4 || kind == kI4 || kind == kQ4D) {
     for (int j = 0; j < 4; ++j)
@@ -389,29 +454,51 @@ at::Tensor quant_pack(const at::Tensor& blocks, int64_t qtype, int64_t kind, int
 
 inline bool four_bit(int64_t kind) { return kind == kQ4 || kind == kI4 || kind == kQ4D; }
 
+// One scale a block (the halves' integer dots are added, then scaled once)
+inline bool one_scale(int64_t kind) {
+  return kind == kQ4 || kind == kQ8S || kind == kI4 || kind == kQ5;
+}
+
 // A panel row's scales and offsets: half 0 (weights 0..15) d0, m0; half 1 d1, m1
 inline void panel_scales(const uint8_t* blk, int64_t kind, int r, float& d0, float& d1, float& m0,
                          float& m1) {
-  const int64_t off = four_bit(kind) ? 128 : 256;
+  const int64_t off =
+      bit_planes(kind) ? kind_block_bytes(kind) - 32 : four_bit(kind) ? 128 : 256;
   const auto h = [&](int64_t i) { return half_to_float(blk + off + 2 * (i * R + r)); };
   d0 = h(0);
   d1 = d0;
   m0 = 0.f;
-  if (kind == kQ4) {
+  if (kind == kQ4 || kind == kQ5) {
     m0 = h(1);
   } else if (kind == kQ4D) {
     d1 = h(1);
     m0 = h(2);
     m1 = h(3);
     return;
-  } else if (kind == kQ8 || kind == kQ8M) {
+  } else if (kind == kQ8 || kind == kQ8M || kind == kQ6 || kind == kQ3) {
     d1 = h(1);
     if (kind == kQ8M) m0 = h(2);
   }
   m1 = m0;
 }
 
+// Weight j (0..31) of panel row r as the integer dot takes it: kQ6's and kQ3's less their offset
 inline int panel_quant(const uint8_t* blk, int64_t kind, int r, int j) {
+  if (bit_planes(kind)) {
+    const int h = j / 16, jj = j % 16, byte = 4 * r + jj % 4, l = jj / 4;
+    int u;
+    if (kind == kQ3) {
+      u = ((blk[32 * h + byte] >> (2 * l)) & 3) | (((blk[kPlane2Bytes + byte] >> (4 * h + l)) & 1) << 2);
+    } else {
+      u = (blk[32 * l + byte] >> (4 * h)) & 0x0F;
+      if (kind == kQ5) {
+        u |= ((blk[kNibbleBytes + byte] >> (4 * h + l)) & 1) << 4;
+      } else {
+        u |= ((blk[kNibbleBytes + 32 * h + byte] >> (2 * l)) & 3) << 4;
+      }
+    }
+    return u - plane_offset(kind);
+  }
   if (four_bit(kind)) {
     const int hi = j >= 16, jj = j % 16;
     const uint8_t byte = blk[32 * (jj / 4) + 4 * r + jj % 4];
@@ -694,6 +781,119 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
   }
 }
 
+// Bits `from`.. of every byte moved to bits `to`.. (16-bit shifts: what crosses a byte boundary
+// lands in bits the caller masks off)
+inline __m256i move_bits(__m256i v, int from, int to) {
+  return from >= to ? _mm256_srl_epi16(v, _mm_cvtsi32_si128(from - to))
+                    : _mm256_sll_epi16(v, _mm_cvtsi32_si128(to - from));
+}
+
+// Bit-plane kinds (kQ5, kQ6, kQ3): load j's quants of both halves rebuilt from the planes as u8,
+// then kQ4's dots (kQ5) or kQ8's (kQ6, kQ3: two scales, the offset taken back off in integers).
+// AVX2 keeps int16 pair sums while they fit (4 loads x 2 * 31 * 127 for kQ5) and widens every load
+// for kQ6 (2 * 63 * 127 a pair).
+template <int MR, int P, int64_t KIND>
+void panel_bits(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
+                __m256 (*acc)[MR]) {
+  constexpr int64_t bsz = KIND == kQ5 ? 192 : KIND == kQ6 ? 224 : 128;
+  constexpr int64_t soff = bsz - 32;
+  constexpr int offset = KIND == kQ6 ? 32 : KIND == kQ3 ? 4 : 0;
+  constexpr bool wide = KIND == kQ6;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i bits01 = _mm256_set1_epi8(0x03), bit2 = _mm256_set1_epi8(0x04);
+#ifndef CONVOY_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  const auto load = [](const uint8_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  };
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i isum[P][2][MR];
+    __m256i plane[P][2];
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* blk = wg[p] + b * bsz;
+      prefetch_ahead<bsz>(blk);
+      if constexpr (KIND == kQ5) {
+        plane[p][0] = plane[p][1] = load(blk + kNibbleBytes);
+      } else if constexpr (KIND == kQ6) {
+        plane[p][0] = load(blk + kNibbleBytes);
+        plane[p][1] = load(blk + kNibbleBytes + 32);
+      } else {
+        plane[p][0] = load(blk);
+        plane[p][1] = load(blk + 32);
+      }
+      for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < 4; ++j) {
+      __m256i w[P][2];
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* blk = wg[p] + b * bsz;
+        if constexpr (KIND == kQ3) {
+          const __m256i one = load(blk + kPlane2Bytes);
+          for (int h = 0; h < 2; ++h)
+            w[p][h] = _mm256_or_si256(
+                _mm256_and_si256(move_bits(plane[p][h], 2 * j, 0), bits01),
+                _mm256_and_si256(move_bits(one, 4 * h + j, 2), bit2));
+        } else {
+          const __m256i raw = load(blk + 32 * j);
+          const __m256i nib[2] = {_mm256_and_si256(raw, low),
+                                  _mm256_and_si256(_mm256_srli_epi16(raw, 4), low)};
+          for (int h = 0; h < 2; ++h) {
+            const __m256i top =
+                KIND == kQ5 ? _mm256_and_si256(move_bits(plane[p][h], 4 * h + j, 4), bit4)
+                            : _mm256_and_si256(move_bits(plane[p][h], 2 * j, 4), bits45);
+            w[p][h] = _mm256_or_si256(nib[h], top);
+          }
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xs[2] = {bcast4(x[i][b].q + 4 * j), bcast4(x[i][b].q + 16 + 4 * j)};
+        for (int p = 0; p < P; ++p)
+          for (int h = 0; h < 2; ++h) {
+#ifdef CONVOY_VNNI
+            isum[p][h][i] = _mm256_dpbusd_epi32(isum[p][h][i], w[p][h], xs[h]);
+#else
+            const __m256i prod = _mm256_maddubs_epi16(w[p][h], xs[h]);
+            isum[p][h][i] = wide ? _mm256_add_epi32(isum[p][h][i], _mm256_madd_epi16(prod, ones))
+                                 : _mm256_add_epi16(isum[p][h][i], prod);
+#endif
+          }
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* blk = wg[p] + b * bsz;
+      const auto half8 = [&](int64_t off) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
+      };
+      for (int i = 0; i < MR; ++i) {
+        __m256i dot[2];
+        for (int h = 0; h < 2; ++h) {
+#ifdef CONVOY_VNNI
+          dot[h] = isum[p][h][i];
+#else
+          dot[h] = wide ? isum[p][h][i] : _mm256_madd_epi16(isum[p][h][i], ones);
+#endif
+        }
+        const __m256 dx = _mm256_set1_ps(x[i][b].d);
+        if constexpr (KIND == kQ5) {
+          acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(half8(soff), dx),
+                                      _mm256_cvtepi32_ps(_mm256_add_epi32(dot[0], dot[1])),
+                                      acc[p][i]);
+          acc[p][i] = _mm256_fmadd_ps(half8(soff + 16), _mm256_set1_ps(x[i][b].s), acc[p][i]);
+        } else {
+          for (int h = 0; h < 2; ++h) {
+            const int32_t xsum = h == 0 ? x[i][b].sa : x[i][b].sb;
+            const __m256i d = _mm256_sub_epi32(dot[h], _mm256_set1_epi32(offset * xsum));
+            acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(half8(soff + 16 * h), dx),
+                                        _mm256_cvtepi32_ps(d), acc[p][i]);
+          }
+        }
+      }
+    }
+  }
+}
+
 // P panels (8 * P weight rows, `lanes` of them real) x MR activation rows -> out (MR, ldo)
 template <int MR, int P>
 void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
@@ -705,6 +905,12 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
     panel_q4<MR, P, false>(wg, nb, x, acc);
   } else if (kind == kQ4D) {
     panel_q4<MR, P, true>(wg, nb, x, acc);
+  } else if (kind == kQ5) {
+    panel_bits<MR, P, kQ5>(wg, nb, x, acc);
+  } else if (kind == kQ6) {
+    panel_bits<MR, P, kQ6>(wg, nb, x, acc);
+  } else if (kind == kQ3) {
+    panel_bits<MR, P, kQ3>(wg, nb, x, acc);
   } else if (kind == kI4) {
     panel_q8<MR, P, false, true, true>(wg, nb, x, acc);
   } else if (kind == kQ8S) {
@@ -743,7 +949,7 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
         int dot_a = 0, dot_b = 0;
         for (int j = 0; j < 16; ++j) dot_a += panel_quant(blk, kind, r, j) * a.q[j];
         for (int j = 16; j < QK; ++j) dot_b += panel_quant(blk, kind, r, j) * a.q[j];
-        if (kind == kQ4 || kind == kQ8S || kind == kI4) {
+        if (one_scale(kind)) {
           acc = std::fma(d0 * a.d, static_cast<float>(dot_a + dot_b), acc);
         } else {
           acc = std::fma(d0 * a.d, static_cast<float>(dot_a), acc);
@@ -752,7 +958,7 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
         if (kind == kQ4D) {
           acc = std::fma(m0, a.s0, acc);
           acc = std::fma(m1, a.s1, acc);
-        } else if (kind == kQ4 || kind == kQ8M) {
+        } else if (kind == kQ4 || kind == kQ8M || kind == kQ5) {
           acc = std::fma(m0, a.s, acc);
         }
       }
