@@ -26,7 +26,9 @@ from schemathesis import GenerationMode
 
 from tests.e2e.helpers import MODEL
 
-FUZZ_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+FUZZ_ROUTES = (
+    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+)  # fmt: skip
 # `convoy serve` flags that keep every valid case cheap: a short context bounds the tokens any
 # request can generate (max_tokens must fit it), and each request starts at most 4 sequences.
 SERVE_ARGS = [

@@ -17,7 +17,8 @@ from convoy.structured.params import StructuredOutputsParams
 from tests.engine.conftest import prompts16
 from tests.structured_schemas import make_schemas
 
-SCHEMAS = make_schemas(16, small=True)
+SCHEMAS = make_schemas(8, small=True)  # with 8 free prompts of every length: a batch of 16
+FREE = prompts16()[::2]
 FORMATS = jsonschema.FormatChecker(formats=["date", "email", "uuid", "ipv4"])
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
@@ -69,11 +70,11 @@ def test_json_schema_regex_and_choice_outputs_match(
 def test_constrained_neighbours_change_no_token(
     llm: LLM, schemas_alone: list[RequestOutput]
 ) -> None:
-    free = llm.generate(prompts16(), GREEDY)
+    free = llm.generate(FREE, GREEDY)
     prompts, params = schema_requests(llm)
     mixed = llm.generate(
-        [p for pair in zip(prompts16(), prompts, strict=True) for p in pair],
-        [p for pair in zip([GREEDY] * 16, params, strict=True) for p in pair],
+        [p for pair in zip(FREE, prompts, strict=True) for p in pair],
+        [p for pair in zip([GREEDY] * len(FREE), params, strict=True) for p in pair],
     )
     assert [o.outputs[0].token_ids for o in mixed[0::2]] == [o.outputs[0].token_ids for o in free]
     assert [o.outputs[0].token_ids for o in mixed[1::2]] == [
@@ -84,8 +85,8 @@ def test_constrained_neighbours_change_no_token(
 def test_preemption_and_recompute_keep_the_matchers_in_step(
     schemas_alone: list[RequestOutput],
 ) -> None:
-    # 16 blocks of 16 tokens cannot hold 16 sequences of ~60 tokens: preemption by recompute.
-    small = LLM(dtype="float32", num_kv_blocks=16)
+    # 12 blocks of 16 tokens cannot hold 8 sequences of ~60 tokens: preemption by recompute.
+    small = LLM(dtype="float32", num_kv_blocks=12)
     outs = small.generate(*schema_requests(small))
     assert small.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in schemas_alone]
