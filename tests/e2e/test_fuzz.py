@@ -1,7 +1,7 @@
 """Schemathesis against a real server: a seeded run of 250+ cases generated from /openapi.json
-(valid and invalid bodies for the generation routes, /v1/responses among them, and the tokenizer). No case may get a 5xx, a
-non-OpenAI error, a broken stream or no answer; afterwards the server serves a normal request and
-every KV block is free. bench/fuzz.py runs the same for 10,000+ cases."""
+(valid and invalid bodies for the generation routes, /v1/responses among them, and the
+tokenizer's). No case may get a 5xx, a non-OpenAI error, a broken stream or no answer; afterwards
+the server serves a normal request and every KV block is free. bench/fuzz.py runs the same for 10,000+ cases."""
 
 from __future__ import annotations
 
