@@ -145,6 +145,7 @@ class _Config:
 DTYPES = ("auto", "float32", "bfloat16")
 _DTYPE_ALIASES = ("fp32", "bf16")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+POOLINGS = ("auto", "last", "mean")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -239,6 +240,13 @@ class EngineConfig(_Config):
         " auto: gguf for a GGUF file in dtype auto, else none",
         choices=QUANTIZATIONS,
     )
+    pooling: str = setting(
+        "auto",
+        "/v1/embeddings: the prompt's final hidden states pooled by its last token or their mean,"
+        " then L2-normalised; auto: the GGUF's pooling type where the file names mean or last,"
+        " else last",
+        choices=POOLINGS,
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -249,6 +257,8 @@ class EngineConfig(_Config):
             raise ConfigError(f"unsupported device {self.device!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"unsupported quantization {self.quantization!r}")
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"unsupported pooling {self.pooling!r}")
 
 
 @dataclass(slots=True)

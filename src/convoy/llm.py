@@ -1,4 +1,5 @@
-"""Offline batched generation: `LLM(model).generate(prompts, params)`, every prompt in one engine."""
+"""Offline batched generation: `LLM(model).generate(prompts, params)`, every prompt in one engine;
+`LLM(model).embed(prompts)` for embeddings."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import functools
 import itertools
 from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
 
 from convoy.config import EngineConfig
 from convoy.engine.core import EngineCore
@@ -56,6 +60,13 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[i] for i in range(len(prompts))]
+
+    def embed(self, prompts: str | list[str] | list[list[int]]) -> list[npt.NDArray[np.float32]]:
+        """Each prompt's embedding (its final hidden states pooled as the engine's `pooling`
+        setting says, L2-normalised), every prompt in the same steps; in input order."""
+        params = SamplingParams(max_tokens=0, pooling=self.core.pooling)
+        outputs = self.generate(prompts, params)
+        return [out.embedding for out in outputs if out.embedding is not None]
 
     def _process(self, prompt: str | list[int], params: SamplingParams) -> EngineRequest:
         text = prompt if isinstance(prompt, str) else None

@@ -9,6 +9,8 @@ from typing import Any
 
 from convoy.config import ConfigError
 
+POOLING_TYPES = ("mean", "last")
+
 
 @dataclass(slots=True)
 class ModelConfig:
@@ -49,6 +51,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
     moe_layers: list[bool] = field(default_factory=list)  # per layer: experts, else a dense MLP
+    pooling_type: str | None = None  # an embedding model's pooling ("mean" / "last"), if it says
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer_idx]
@@ -145,7 +148,12 @@ class ModelConfig:
             eos_token_ids=[int(e) for e in eos_ids],
             **experts,
             moe_layers=moe,
+            pooling_type=_pooling(raw.get("pooling_type")),
         )
+
+
+def _pooling(value: Any) -> str | None:
+    return value if value in POOLING_TYPES else None
 
 
 def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[dict, list[bool]]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 # One position's logprobs: token id -> logprob, the top-k in descending order, then the sampled
 # (or prompt) token if it is not among them.
 PositionLogprobs = dict[int, float]
@@ -48,3 +51,5 @@ class RequestOutput:
     # (what usage.completion_tokens bills).
     num_generated_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times
+    # An embedding request's (SamplingParams.pooling) L2-normalised vector, once finished
+    embedding: npt.NDArray[np.float32] | None = None

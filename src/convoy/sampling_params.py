@@ -29,6 +29,13 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+class Pooling(enum.Enum):
+    """How an embedding request reduces its prompt's final hidden states to one vector."""
+
+    LAST = "last"  # the last prompt token's (what decoder-only embedding models are trained for)
+    MEAN = "mean"  # the mean over every prompt token
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"  # every output carries the whole text so far
     DELTA = "delta"  # every output carries only what is new (streaming)
@@ -62,6 +69,9 @@ class SamplingParams:
     cache_salt: str | None = None
     # What the output must match (a JSON schema, regex, choice, grammar); None = free text.
     structured_outputs: StructuredOutputsParams | None = None
+    # Embeddings: compute the prompt only (max_tokens 0), no logits, and return its final hidden
+    # states pooled this way and L2-normalised (RequestOutput.embedding); None = generate.
+    pooling: Pooling | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,6 +124,12 @@ class SamplingParams:
                 "min_tokens",
             )
         _check(self.min_tokens >= 0, "min_tokens must be non-negative", "min_tokens")
+        if self.pooling is not None:
+            _check(
+                self.max_tokens == 0 and self.num_seqs == 1 and self.prompt_logprobs is None,
+                "an embedding request computes its prompt only (max_tokens 0, one sequence)",
+                "max_tokens",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

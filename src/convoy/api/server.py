@@ -33,6 +33,7 @@ from convoy.api.protocol import (
     CompletionResponse,
 )
 from convoy.api.protocol_batch import UPLOAD_ROUTES
+from convoy.api.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from convoy.api.protocol_info import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -57,6 +58,7 @@ from convoy.api.routes.responses import add_response_routes
 from convoy.api.serving_base import off_loop
 from convoy.api.serving_chat import ChatServing, chat_text
 from convoy.api.serving_completion import CompletionServing
+from convoy.api.serving_embedding import EmbeddingServing
 from convoy.api.serving_responses import ResponsesServing
 from convoy.batch.db import BatchDB, DataDirBusy, default_data_dir
 from convoy.batch.executor import LineRunner
@@ -78,7 +80,8 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree, n
 BodyT = TypeVar("BodyT", bound=BaseModel)
 # Request bodies the routes parse themselves (off the event loop), described in /openapi.json.
 BODY_MODELS: tuple[type[BaseModel], ...] = (
-    CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest,
+    CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest, TokenizeRequest,
+    DetokenizeRequest,
 )  # fmt: skip
 
 
@@ -111,6 +114,7 @@ def _lifespan(
         metrics.attach_engine(engine.stats, lambda: client.num_in_flight)
         app.state.engine, app.state.client = engine, client
         app.state.completions, app.state.chat = CompletionServing(client), ChatServing(client)
+        app.state.embeddings = EmbeddingServing(client)
         app.state.created = int(time.time())
         app.state.batch_db = _open_data_dir(settings) if has_store else None
         db = app.state.batch_db  # responses.db beside it, in the folder this process holds
@@ -258,6 +262,12 @@ def _add_generation_routes(app: FastAPI) -> None:
     async def chat_completions(request: Request) -> Response:
         body, size = await parse_body(request, ChatCompletionRequest)
         work = app.state.chat.create(body, record(request), size)
+        return await until_disconnect(request, work)
+
+    @app.post("/v1/embeddings", **docs(EmbeddingResponse, EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        body, size = await parse_body(request, EmbeddingRequest)
+        work = app.state.embeddings.create(body, record(request), size)
         return await until_disconnect(request, work)
 
 

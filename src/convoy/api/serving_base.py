@@ -89,7 +89,7 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         self.client.engine.check_available()  # a dead engine: 503 now, not inside a 200 stream
         self.client.check_model(request.model)
         request.check()
-        params: SamplingParams = request.to_sampling_params()
+        params = self.sampling_params(request)
         api_id = new_id(self.id_prefix)
         if params.structured_outputs is not None:
             body_size = None  # compiling a constraint is not cheap: a worker thread, any size
@@ -125,6 +125,11 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
             for prompt in prompts:
                 prompt.token_ids = []
             raise
+
+    def sampling_params(self, request: RequestT) -> SamplingParams:
+        """The engine parameters every prompt of the request runs with (SamplingParamsError)."""
+        params: SamplingParams = request.to_sampling_params()
+        return params
 
     def prompts(self, request: RequestT) -> list[Prompt]:
         raise NotImplementedError

@@ -11,7 +11,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import cast
 
-from convoy.api.engine_client import Prompt
+from convoy.api.engine_client import EngineClient, Prompt
 from convoy.api.errors import APIError
 from convoy.api.logprobs import legacy_logprobs, token_texts
 from convoy.api.protocol import (
@@ -53,26 +53,8 @@ class CompletionServing(
 
     def prompts(self, request: CompletionRequest) -> list[Prompt]:
         """Normalise the four prompt forms to token ids (text is tokenized with special tokens)."""
-        prompt: PromptInput = request.prompt
-        items: list[str | list[int]]
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            items = [cast(list[int], prompt)]  # one prompt as token ids
-        else:
-            items = list(cast(list[str] | list[list[int]], prompt))
-        if not items:
-            raise APIError(400, "prompt must not be an empty list", param="prompt")
         limit = self.client.limits.max_prompts_per_request
-        if len(items) > limit:
-            raise APIError(
-                400, f"{len(items)} prompts is more than the limit of {limit}", param="prompt"
-            )
-        encode = self.client.encode_prompt
-        return [
-            Prompt(item, encode(item, "prompt")) if isinstance(item, str) else Prompt(None, item)
-            for item in items
-        ]
+        return encode_prompts(self.client, request.prompt, "prompt", limit)
 
     def _echo_text(self, prompt: Prompt) -> str:
         """The prompt as echoed: as sent, or decoded once for a token-id prompt."""
@@ -185,3 +167,26 @@ class CompletionServing(
 def _joined(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
     first.extend(second)
     return first
+
+
+def encode_prompts(
+    client: EngineClient, prompt: PromptInput, param: str, limit: int
+) -> list[Prompt]:
+    """The four prompt forms (a string, strings, token ids, lists of token ids) as Prompts, text
+    tokenized with special tokens; 400 naming `param` for none or more than `limit`."""
+    items: list[str | list[int]]
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [cast(list[int], prompt)]  # one prompt as token ids
+    else:
+        items = list(cast(list[str] | list[list[int]], prompt))
+    if not items:
+        raise APIError(400, f"{param} must not be an empty list", param=param)
+    if len(items) > limit:
+        raise APIError(400, f"{len(items)} prompts is more than the limit of {limit}", param=param)
+    encode = client.encode_prompt
+    return [
+        Prompt(item, encode(item, param)) if isinstance(item, str) else Prompt(None, item)
+        for item in items
+    ]

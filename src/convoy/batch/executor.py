@@ -242,7 +242,7 @@ async def run_line(route: Route, line: InputLine) -> LineResult:
     return LineResult(
         line.index, line.custom_id, True,
         response_line(line.custom_id, 200, response.model_dump_json()),
-        usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,
+        getattr(usage, "prompt_tokens", 0), getattr(usage, "completion_tokens", 0),
     )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from convoy.api.protocol import ChatCompletionRequest, CompletionRequest
+from convoy.api.protocol_embeddings import EmbeddingRequest
 from convoy.batch.db import BatchDB
 from convoy.batch.executor import BatchExecutor, LineResult, LineRunner, Route, run_line
 from convoy.batch.lines import InputLine
@@ -59,6 +60,7 @@ def local_routes(state: Any) -> dict[str, Route]:
     return {
         "/v1/completions": Route(CompletionRequest, state.completions),
         "/v1/chat/completions": Route(ChatCompletionRequest, state.chat),
+        "/v1/embeddings": Route(EmbeddingRequest, state.embeddings),
     }
 
 
@@ -81,9 +83,7 @@ def start_batches(
     if db is None:
         return
     executor = BatchExecutor(routes, window, metrics.on_result)
-    runner = BatchRunner(
-        db, executor, model, settings.max_request_bytes, settings.batch_retention
-    )
+    runner = BatchRunner(db, executor, model, settings.max_request_bytes, settings.batch_retention)
     metrics.store = runner.store
     app.state.batch_runner = runner
     runner.start()

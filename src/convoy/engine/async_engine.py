@@ -79,6 +79,8 @@ class AsyncEngine:
         self.tokenizer = self.core.tokenizer
         self.model_name = self.core.model_name
         self.max_model_len = self.core.max_model_len
+        self.pooling = self.core.pooling
+        self.hidden_size = self.core.worker.model_config.hidden_size  # an embedding's length
 
     async def start(self) -> None:
         with self._wakeup:

@@ -85,7 +85,7 @@ class BlockManager:
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Cached blocks that hold a prefix of the request's prompt (at least one token is left
         to compute, so the last prompt position still produces logits)."""
-        if not self.enable_prefix_caching or req.wants_prompt_logprobs:
+        if not self.enable_prefix_caching or req.computes_whole_prompt:
             return []
         limit = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
@@ -99,7 +99,7 @@ class BlockManager:
     def is_prefix_pending(self, req: Request, num_hits: int) -> bool:
         """Is the request's first uncached prompt block being computed by another request of the
         same or a higher priority? (Not worth waiting for: one of a lower priority.)"""
-        if not self.enable_prefix_caching or req.wants_prompt_logprobs:
+        if not self.enable_prefix_caching or req.computes_whole_prompt:
             return False
         limit = (req.num_tokens - 1) // self.block_size
         if num_hits >= min(limit, len(req.block_hashes)):

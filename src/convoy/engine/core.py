@@ -20,6 +20,7 @@ from convoy.engine.scheduler import Scheduler, SchedulerOutput
 from convoy.engine.stats import EngineStats
 from convoy.engine.tokenizer import Tokenizer
 from convoy.outputs import FinishReason
+from convoy.sampling_params import Pooling
 from convoy.structured.compiler import GrammarCompiler
 from convoy.structured.matcher import fill_bitmasks
 from convoy.worker.worker import Worker
@@ -53,6 +54,10 @@ class EngineCore:
             self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids
         )
         self.output = OutputProcessor(self.tokenizer)
+        # /v1/embeddings: the server's choice, else the model's own (an embedding GGUF's), else last
+        self.pooling = Pooling(
+            config.pooling if config.pooling != "auto" else model_cfg.pooling_type or "last"
+        )
         self._faults = FaultInjector.from_env()  # None unless a test asks for faults
         # NOTE: other threads (the server's /metrics) read this snapshot, refreshed on the engine
         # thread after each step and abort, and never the scheduler's live dicts.

@@ -118,6 +118,7 @@ class ParentRequest:
             num_cached_tokens=self.children[0].num_cached_tokens,
             num_generated_tokens=sum(c.num_output_tokens for c in self.children),
             metrics=metrics,
+            embedding=self.children[0].embedding,
         )
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from convoy.outputs import FinishReason, PositionLogprobs
-from convoy.sampling_params import SamplingParams
+from convoy.sampling_params import Pooling, SamplingParams
 from convoy.structured.compiler import CompiledGrammar
 from convoy.structured.matcher import GrammarMatcher
 from convoy.structured.params import StructuredOutputsError
@@ -75,6 +78,10 @@ class Request:
     priority: Priority = Priority.INTERACTIVE
     grammar: GrammarMatcher | None = None  # constrained: advanced with every output token
     error: StructuredOutputsError | None = None  # why the engine ended it (finish reason abort)
+    # Embeddings (params.pooling): the pooled final hidden states so far (fp64; a sum for mean
+    # pooling), then, once the prompt is computed, the L2-normalised embedding (fp32)
+    pooled: npt.NDArray[np.float64] | None = None
+    embedding: npt.NDArray[np.float32] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -101,3 +108,9 @@ class Request:
         """Does this sequence score its prompt? Only child 0 of an n / best_of fan-out: the
         others reuse its prompt KV through the prefix cache instead of scoring it again."""
         return self.params.prompt_logprobs is not None and self.index == 0
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Must every prompt position run through the model (no prefix-cache hits)? When it
+        scores its prompt, or pools the mean of its hidden states."""
+        return self.wants_prompt_logprobs or self.params.pooling is Pooling.MEAN

@@ -30,10 +30,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from convoy.config import SchedulerConfig
+from convoy.engine import pooling
 from convoy.engine.block_manager import BlockManager, hash_prompt_blocks
 from convoy.engine.request import Priority, Request, RequestStatus
 from convoy.engine.seq_queues import SeqQueues
 from convoy.outputs import FinishReason
+from convoy.sampling_params import Pooling
 from convoy.worker.batch import ModelRunnerOutput, PromptScoring, SamplerRow, ScheduledSeq
 
 
@@ -137,6 +139,10 @@ class Scheduler:
             req.num_computed_tokens += num_new
             self.num_computed_tokens += num_new
             self.bm.cache_computed(req)
+            if req.params.pooling is not None:
+                if self._pool(req, runner_out, now):
+                    updated.append(req)
+                continue
             token_id = runner_out.sampled_token_ids.get(req.req_id)
             if token_id is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
@@ -151,6 +157,23 @@ class Scheduler:
             updated.append(req)
         self._prune_running()
         return updated
+
+    def _pool(self, req: Request, runner_out: ModelRunnerOutput, now: float) -> bool:
+        """Fold an embedding request's chunk in; once its prompt is computed, finish it with its
+        embedding (finish reason stop) and return True."""
+        kind = req.params.pooling
+        assert kind is not None
+        chunk = runner_out.pooled.get(req.req_id)
+        if chunk is not None:
+            req.pooled = pooling.fold(req.pooled, chunk, kind)
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            return False
+        assert req.pooled is not None, "the last chunk of an embedding request pools"
+        req.embedding = pooling.finish(req.pooled, req.num_prompt_tokens, kind)
+        req.first_token_time = now
+        req.finish_reason = FinishReason.STOP
+        self._free(req)
+        return True
 
     def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> list[Request]:
         """End sequences (a stop string, an abort): leave the queues, free their blocks.
@@ -315,6 +338,7 @@ class Scheduler:
         q.stop_running(req)
         self.bm.free(req)
         req.num_computed_tokens = 0
+        req.pooled = None  # computed again from the first token
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
@@ -349,7 +373,12 @@ def _scheduled_seq(req: Request, num_new: int) -> ScheduledSeq:
     seq = ScheduledSeq(req.req_id, req.token_ids[start : start + num_new], start, req.block_table)
     seq.prompt_len = req.num_prompt_tokens
     seq.scoring = _scoring(req, start, num_new)
-    if start + num_new == req.num_tokens:
+    is_last = start + num_new == req.num_tokens
+    if req.params.pooling is not None:  # an embedding: pools, never samples
+        if is_last or req.params.pooling is Pooling.MEAN:
+            seq.pooling = req.params.pooling
+        return seq
+    if is_last:
         p = req.params
         stop_ids = [] if p.ignore_eos else sorted(req.eos_token_ids)
         seq.sampling = SamplerRow(

@@ -78,6 +78,9 @@ def read_gguf(path: Path) -> Any:
     return reader
 
 
+GGUF_POOLING = {1: "mean", 3: "last"}  # llama.cpp's {arch}.pooling_type values Convoy pools by
+
+
 def field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -136,7 +139,9 @@ def _config(reader: Any, arch: str, family: type[CausalLM]) -> dict[str, Any]:
         "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length", 0) or get("expert_feed_forward_length")),
+        "intermediate_size": int(
+            get("feed_forward_length", 0) or get("expert_feed_forward_length")
+        ),
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
@@ -149,6 +154,9 @@ def _config(reader: Any, arch: str, family: type[CausalLM]) -> dict[str, Any]:
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    pooling = GGUF_POOLING.get(int(get("pooling_type", 0) or 0))
+    if pooling is not None:  # an embedding model's (llama.cpp's enum); none / cls / rank: not kept
+        cfg["pooling_type"] = pooling
     factors = {t.name: t.data for t in reader.tensors if t.name.startswith(CONFIG_TENSORS)}
     if factors:  # phi3's LongRoPE factor lists: config, not weights
         cfg["rope_scaling"] = gguf_rope_factors(factors)

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from convoy.outputs import PositionLogprobs
-from convoy.sampling_params import SamplingParams
+from convoy.sampling_params import Pooling, SamplingParams
 
 
 @dataclass(slots=True)
@@ -49,6 +49,9 @@ class ScheduledSeq:
     sampling: SamplerRow | None = None  # set when the last new token samples
     scoring: PromptScoring | None = None  # set when this chunk scores prompt tokens
     prompt_len: int = 0  # the request's prompt tokens; 0: unknown, taken as start_pos + new
+    # Embeddings: reduce the new tokens' final hidden states (mean: their sum; last: the last
+    # row) into ModelRunnerOutput.pooled; such a sequence never samples
+    pooling: Pooling | None = None
 
     @property
     def need_logits(self) -> bool:
@@ -68,3 +71,5 @@ class ModelRunnerOutput:
     sampled_logprobs: dict[str, float] = field(default_factory=dict)  # where need_logprob
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # where params.logprobs
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # where ScheduledSeq.pooling: the chunk's pooled final hidden states (fp64)
+    pooled: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)

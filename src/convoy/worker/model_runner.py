@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from torch import nn
 
 from convoy.kernels.linear import QuantLinear
 from convoy.models.attention import Attention, AttentionMetadata, PrefillSeq
 from convoy.models.layers import CausalLM
+from convoy.sampling_params import Pooling
 from convoy.worker.batch import ScheduledSeq
 from convoy.worker.kv_cache import KVCache
 
@@ -22,6 +25,8 @@ class RunnerOutput:
     # per scheduled seq: (k, hidden) final hidden states of the positions that score prompt
     # tokens, or None; their logits are computed by `ModelRunner.compute_logits` in slices
     prompt_hidden: list[torch.Tensor | None]
+    # per sequence with `pooling`: its chunk's final hidden states reduced (fp64, on the CPU)
+    pooled: dict[str, npt.NDArray[np.float64]]
 
 
 class ModelRunner:
@@ -54,9 +59,12 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         rows: list[int] = []
         prompt_spans: list[tuple[int, int] | None] = []
+        pooled: dict[str, npt.NDArray[np.float64]] = {}
         offset = 0
         for s in seqs:
             n = len(s.token_ids)
+            if s.pooling is not None:
+                pooled[s.req_id] = _pool(hidden[offset : offset + n], s.pooling)
             if s.prompt_logits_from is not None and s.prompt_logits_from < n:
                 prompt_spans.append((offset + s.prompt_logits_from, offset + n))
             else:
@@ -68,7 +76,9 @@ class ModelRunner:
         prompt_hidden = [
             None if span is None else hidden[span[0] : span[1]] for span in prompt_spans
         ]
-        return RunnerOutput(logits=self._sampling_logits(sampling), prompt_hidden=prompt_hidden)
+        # a step of embedding chunks only computes no logits (no head read)
+        logits = self._sampling_logits(sampling) if rows else hidden.new_empty(0, 0)
+        return RunnerOutput(logits, prompt_hidden, pooled)
 
     def _sampling_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         model = self.model
@@ -149,3 +159,11 @@ class ModelRunner:
             padded.extend(head)
             padded.extend([0] * (num_blocks - len(head)))
         return torch.tensor(padded, dtype=torch.long, device=self.device)
+
+
+def _pool(rows: torch.Tensor, pooling: Pooling) -> npt.NDArray[np.float64]:
+    """One chunk's (n, hidden) final hidden states -> their fp64 sum (mean pooling) or last row;
+    the sum runs over this sequence's rows only, in order, so it never depends on the step."""
+    if pooling is Pooling.MEAN:
+        return rows.double().sum(0).cpu().numpy()
+    return rows[-1].double().cpu().numpy()

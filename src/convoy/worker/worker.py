@@ -136,19 +136,22 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
-        """Run one step: forward the new tokens, sample where a sequence samples, score prompts."""
+        """Run one step: forward the new tokens, sample where a sequence samples, score prompts,
+        pool embeddings."""
         result = ModelRunnerOutput()
         if not seqs:
             return result
         out = self.runner.execute(seqs)
+        result.pooled = out.pooled
         sampling = [s for s in seqs if s.sampling is not None]
-        sampled = sample(out.logits, [s.sampling for s in sampling if s.sampling is not None])
-        for i, s in enumerate(sampling):
-            result.sampled_token_ids[s.req_id] = sampled.token_ids[i]
-            if (lp := sampled.sampled_logprobs[i]) is not None:
-                result.sampled_logprobs[s.req_id] = lp
-            if (entry := sampled.logprobs[i]) is not None:
-                result.logprobs[s.req_id] = entry
+        if sampling:
+            sampled = sample(out.logits, [s.sampling for s in sampling if s.sampling is not None])
+            for i, s in enumerate(sampling):
+                result.sampled_token_ids[s.req_id] = sampled.token_ids[i]
+                if (lp := sampled.sampled_logprobs[i]) is not None:
+                    result.sampled_logprobs[s.req_id] = lp
+                if (entry := sampled.logprobs[i]) is not None:
+                    result.logprobs[s.req_id] = entry
         for s, hidden in zip(seqs, out.prompt_hidden, strict=True):
             if s.scoring is not None and hidden is not None:
                 targets = s.scoring.targets  # the chunk's last position may predict no prompt token
