@@ -164,6 +164,22 @@ def test_four_prompts_stream_into_four_panels_from_one_request(
     expect(page.locator("#batch-summary")).to_contain_text(f"+ {sum(tokens)} completion tokens")
 
 
+def test_one_prompt_with_n_fills_a_panel_a_choice(open_tab: OpenTab) -> None:
+    tab = open_tab()
+    page = tab.page
+    page.fill("#batch-count", "3")
+    page.dispatch_event("#batch-count", "change")
+    page.check("#batch-same")
+    page.fill("#batch-prompt-0", "Once upon a time")
+    _fill_sampling(page, "batch", max_tokens=4, temperature=1, seed=7)
+    page.click("#batch-generate")
+    expect(page.locator("#batch-summary")).to_have_attribute("data-state", "done")
+    (body,) = tab.posts_to("/v1/completions")
+    assert body["prompt"] == "Once upon a time" and body["n"] == 3
+    for i in range(3):
+        expect(page.locator(f'.panel[data-index="{i}"] .out')).not_to_be_empty()
+
+
 def test_a_chat_message_streams_a_reply(open_tab: OpenTab, http: httpx.Client) -> None:
     tab = open_tab("chat")
     page = tab.page

@@ -136,7 +136,10 @@ async function generate() {
 }
 
 function onChoice(panel, choice) {
-  panel.querySelector(".out").textContent += choice.text;
+  const out = panel.querySelector(".out");
+  const isAtEnd = out.scrollTop + out.clientHeight >= out.scrollHeight - 4;
+  out.textContent += choice.text;
+  if (isAtEnd) out.scrollTop = out.scrollHeight; // follow the stream unless scrolled back
   const tokens = Number(panel.dataset.tokens) + (choice.logprobs?.tokens?.length ?? 0);
   panel.dataset.tokens = tokens;
   if (choice.finish_reason) {

@@ -9,6 +9,9 @@ const $ = (id) => document.getElementById(id);
 
 const rates = [];
 let last = null; // {tokens, time} of the previous reading
+// NOTE: behind `--replicas` each reading comes from one replica (x-convoy-replica): the
+// generated tokens are the sum of each replica's latest count; the gauges are that replica's.
+const counts = new Map();
 let timer = null;
 
 // The samples of a Prometheus text exposition, summed by metric name (labels dropped: a
@@ -39,17 +42,21 @@ async function tick() {
 // Read /metrics once and show it (also called at once when the key changes).
 export async function refresh() {
   let metrics;
+  let replica;
   try {
-    metrics = parseMetrics(await (await call("/metrics")).text());
+    const response = await call("/metrics");
+    replica = response.headers.get("x-convoy-replica");
+    metrics = parseMetrics(await response.text());
   } catch (err) {
     last = null;
     $("numbers-status").textContent =
       err instanceof ServerError && err.status === 401 ? "needs the API key" : `no reading: ${err.message}`;
     return;
   }
-  $("numbers-status").textContent = "";
+  $("numbers-status").textContent = replica === null ? "" : `from replica ${replica}`;
   const now = performance.now();
-  const tokens = metrics.get("convoy_generation_tokens_total") ?? 0;
+  counts.set(replica, metrics.get("convoy_generation_tokens_total") ?? 0);
+  const tokens = [...counts.values()].reduce((a, b) => a + b, 0);
   if (last !== null && now - last.time < PERIOD_MS / 2) return; // two readings at once
   if (last !== null) {
     const rate = Math.max(0, tokens - last.tokens) / ((now - last.time) / 1000);
