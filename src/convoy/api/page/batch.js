@@ -109,25 +109,18 @@ async function generate() {
   }
   showError($("batch-error"), null);
   setRunning(true);
-  const started = performance.now();
-  let firstToken = null;
-  let usage = null;
+  const run = new Run(panels);
   controller = new AbortController();
   try {
     const response = await call("/v1/completions", { method: "POST", json: body, signal: controller.signal });
     for await (const chunk of events(response)) {
-      if (chunk.usage && chunk.choices.length === 0) usage = chunk.usage;
-      for (const choice of chunk.choices) {
-        firstToken ??= performance.now();
-        const panel = panels[choice.index];
-        if (panel) onChoice(panel, choice);
-      }
-      summarize(panels, started, firstToken, usage, "streaming");
+      if (chunk.usage && chunk.choices.length === 0) run.usage = chunk.usage;
+      for (const choice of chunk.choices) run.add(choice);
     }
-    summarize(panels, started, firstToken, usage, "done");
+    run.paint("done");
   } catch (err) {
-    if (isAbort(err)) summarize(panels, started, firstToken, usage, "stopped");
-    else showError($("batch-error"), err);
+    run.paint(isAbort(err) ? "stopped" : "failed");
+    if (!isAbort(err)) showError($("batch-error"), err);
   } finally {
     for (const panel of panels) panel.classList.remove("streaming");
     setRunning(false);
@@ -135,33 +128,65 @@ async function generate() {
   }
 }
 
-function onChoice(panel, choice) {
-  const out = panel.querySelector(".out");
-  const isAtEnd = out.scrollTop + out.clientHeight >= out.scrollHeight - 4;
-  out.textContent += choice.text;
-  if (isAtEnd) out.scrollTop = out.scrollHeight; // follow the stream unless scrolled back
-  const tokens = Number(panel.dataset.tokens) + (choice.logprobs?.tokens?.length ?? 0);
-  panel.dataset.tokens = tokens;
-  if (choice.finish_reason) {
-    panel.dataset.finish = choice.finish_reason;
-    panel.classList.remove("streaming");
+// One generation: what arrived is kept and painted once a frame (hundreds of chunks a second
+// would otherwise lay the page out hundreds of times, taking CPU from a server on this machine).
+class Run {
+  constructor(panels) {
+    this.panels = panels;
+    this.pending = new Map(); // panel index -> text not yet shown
+    this.tokens = panels.map(() => 0);
+    this.finish = panels.map(() => "");
+    this.started = performance.now();
+    this.firstToken = null;
+    this.usage = null;
+    this.frame = 0;
   }
-  const finish = panel.dataset.finish ? ` · finish: ${panel.dataset.finish}` : "";
-  panel.querySelector(".panel-foot").textContent = `${tokens} tokens${finish}`;
-}
 
-function summarize(panels, started, firstToken, usage, state) {
-  const seconds = (performance.now() - started) / 1000;
-  const tokens = panels.reduce((sum, p) => sum + Number(p.dataset.tokens || 0), 0);
-  const parts = [
-    `${panels.length} choices from 1 request`,
-    `${tokens} tokens in ${seconds.toFixed(1)} s (${(tokens / Math.max(seconds, 1e-3)).toFixed(0)} tokens/s)`,
-  ];
-  if (firstToken !== null) parts.push(`first token after ${((firstToken - started) / 1000).toFixed(2)} s`);
-  if (usage) parts.push(`usage: ${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion tokens`);
-  parts.push(state);
-  $("batch-summary").textContent = parts.join(" · ");
-  $("batch-summary").dataset.state = state;
+  add(choice) {
+    const i = choice.index;
+    if (!(i in this.panels)) return;
+    this.firstToken ??= performance.now();
+    this.pending.set(i, (this.pending.get(i) ?? "") + choice.text);
+    this.tokens[i] += choice.logprobs?.tokens?.length ?? 0; // the tokens of this delta
+    if (choice.finish_reason) this.finish[i] = choice.finish_reason;
+    this.frame ||= requestAnimationFrame(() => this.paint("streaming"));
+  }
+
+  paint(state) {
+    cancelAnimationFrame(this.frame);
+    this.frame = 0;
+    for (const [i, text] of this.pending) {
+      const panel = this.panels[i];
+      const out = panel.querySelector(".out");
+      const isAtEnd = out.scrollTop + out.clientHeight >= out.scrollHeight - 4;
+      out.append(text);
+      if (isAtEnd) out.scrollTop = out.scrollHeight; // follow the stream unless scrolled back
+      panel.dataset.tokens = this.tokens[i];
+      panel.dataset.finish = this.finish[i];
+      if (this.finish[i]) panel.classList.remove("streaming");
+      const finish = this.finish[i] ? ` · finish: ${this.finish[i]}` : "";
+      panel.querySelector(".panel-foot").textContent = `${this.tokens[i]} tokens${finish}`;
+    }
+    this.pending.clear();
+    this.summarize(state);
+  }
+
+  summarize(state) {
+    const seconds = (performance.now() - this.started) / 1000;
+    const tokens = this.tokens.reduce((a, b) => a + b, 0);
+    const parts = [
+      `${this.panels.length} choices from 1 request`,
+      `${tokens} tokens in ${seconds.toFixed(1)} s (${(tokens / Math.max(seconds, 1e-3)).toFixed(0)} tokens/s)`,
+    ];
+    if (this.firstToken !== null) {
+      parts.push(`first token after ${((this.firstToken - this.started) / 1000).toFixed(2)} s`);
+    }
+    const usage = this.usage;
+    if (usage) parts.push(`usage: ${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion tokens`);
+    parts.push(state);
+    $("batch-summary").textContent = parts.join(" · ");
+    $("batch-summary").dataset.state = state;
+  }
 }
 
 function setRunning(isRunning) {

@@ -24,6 +24,7 @@ let controller = null;
 export function initChat() {
   mountSampling($("chat-sampling"), "chat", { max_tokens: 256, temperature: 0.7 });
   $("chat-mode").addEventListener("change", onMode);
+  $("chat-spec").addEventListener("input", () => ($("chat-spec").dataset.edited = "yes"));
   $("chat-form").addEventListener("submit", (event) => {
     event.preventDefault();
     send();
@@ -47,8 +48,7 @@ function onMode() {
   const spec = $("chat-spec");
   $("chat-spec-field").hidden = mode === "text";
   $("chat-spec-label").textContent = mode === "json" ? "JSON schema" : "regex (the whole reply matches it)";
-  if (mode !== "text" && !spec.dataset.edited) spec.value = EXAMPLES[mode];
-  spec.oninput = () => (spec.dataset.edited = "yes");
+  if (mode !== "text" && !spec.dataset.edited) spec.value = EXAMPLES[mode]; // an example to edit
 }
 
 // The structured-output fields of the request; a schema that is not JSON is the page's own error.
