@@ -60,6 +60,7 @@ async function connect() {
   } catch (err) {
     $("model").textContent = "";
     showError($("key-error"), err);
+    if (err.status === 401) $("api-key").focus();
     return;
   }
   showError($("key-error"), null);

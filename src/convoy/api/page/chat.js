@@ -18,7 +18,7 @@ const EXAMPLES = {
 };
 
 const $ = (id) => document.getElementById(id);
-const history = []; // {role, content} of the conversation so far
+const conversation = []; // {role, content} of the turns so far
 let controller = null;
 
 export function initChat() {
@@ -37,7 +37,7 @@ export function initChat() {
   });
   $("chat-stop").addEventListener("click", () => controller?.abort());
   $("chat-clear").addEventListener("click", () => {
-    history.length = 0;
+    conversation.length = 0;
     $("chat-log").replaceChildren();
     showError($("chat-error"), null);
   });
@@ -92,7 +92,7 @@ async function send() {
   let body;
   try {
     const system = $("chat-system").value.trim();
-    const messages = [...(system ? [{ role: "system", content: system }] : []), ...history];
+    const messages = [...(system ? [{ role: "system", content: system }] : []), ...conversation];
     messages.push({ role: "user", content: text });
     body = {
       model: server.model,
@@ -106,7 +106,7 @@ async function send() {
     showError($("chat-error"), err);
     return;
   }
-  history.push({ role: "user", content: text });
+  conversation.push({ role: "user", content: text });
   bubble("user", text);
   $("chat-input").value = "";
   const reply = bubble("assistant", "");
@@ -138,10 +138,10 @@ async function send() {
     setRunning(false);
     reply.classList.remove("streaming");
   }
-  if (out.textContent) history.push({ role: "assistant", content: out.textContent });
+  if (out.textContent) conversation.push({ role: "assistant", content: out.textContent });
   else if (!finish) {
     reply.remove(); // the server refused the request: the user's turn stays, without a reply
-    history.pop();
+    conversation.pop();
     $("chat-log").lastElementChild?.remove();
     $("chat-input").value = text;
     return;

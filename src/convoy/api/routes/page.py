@@ -26,7 +26,7 @@ _MEDIA_TYPES = {
 # the page's own runs, and it talks to this server alone.
 _HEADERS = {
     "content-security-policy": (
-        "default-src 'self'; img-src 'self' data: blob:; style-src 'self'; script-src 'self';"
+        "default-src 'self'; img-src 'self'; style-src 'self'; script-src 'self';"
         " connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
     ),
     "x-content-type-options": "nosniff",
