@@ -1,8 +1,9 @@
 """The playground page at `/`, in a real browser against the session's `convoy serve`.
 
 Debian's chromium (installed by `make test`) driven headless by Playwright; without it these
-tests fail, never skip: Playwright's own browser download cannot work offline. One browser for
-the module, a fresh context (its own session storage: the key, the first-visit flag) a test.
+tests fail, never skip: Playwright's own browser download cannot work offline
+(`CONVOY_CHROMIUM` names another binary). One browser for the module, a fresh context (its own
+session storage: the key, the first-visit flag) a test.
 """
 
 from __future__ import annotations
