@@ -279,3 +279,22 @@ def test_a_batch_file_runs_to_completed_and_downloads(open_tab: OpenTab, tmp_pat
     out = Path(download.value.path()).read_text().splitlines()
     assert sorted(json.loads(line)["custom_id"] for line in out) == [f"line-{i}" for i in range(10)]
     assert all(json.loads(line)["response"]["status_code"] == 200 for line in out)
+
+
+def test_a_running_batch_cancels(open_tab: OpenTab, tmp_path: Path) -> None:
+    lines = [
+        {"custom_id": f"long-{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 128,
+                  "ignore_eos": True}}
+        for i in range(100)
+    ]  # fmt: skip
+    source = tmp_path / "long.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    page = open_tab("jobs").page
+    page.set_input_files("#jobs-file", source)
+    page.click("#jobs-start")
+    expect(page.locator("#job-cancel")).to_be_enabled()
+    page.click("#job-cancel")
+    expect(page.locator("#job-status")).to_have_text("cancelled")
+    expect(page.locator("#job-cancel")).to_be_disabled()
+    expect(page.locator("#jobs-list")).to_contain_text("cancelled")
