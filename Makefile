@@ -5,8 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 MODEL  ?=
 ARGS   ?=
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install install-test serve test test-fast lint bench clean
+.PHONY: install install-test browser serve test test-fast lint bench clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -29,6 +30,11 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
+# Debian's chromium for the page's browser tests (tests/e2e/test_page.py), which fail without it
+# (Playwright's own browser download cannot work offline); checked on every run, not stamped.
+browser:
+	command -v chromium >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
+
 serve: install
 	$(VENV)/bin/convoy serve $(MODEL) $(ARGS)
 
@@ -36,7 +42,7 @@ lint: install-test
 	$(VENV)/bin/ruff check src tests $(wildcard bench)
 	$(VENV)/bin/mypy
 
-test: install-test lint
+test: install-test browser lint
 	$(VENV)/bin/pytest -q -x --durations=15 $(ARGS)
 
 # The developers' lane: unit and engine tests, no servers, no Ray, no slow model loads.

@@ -131,7 +131,7 @@ def test_malformed_and_non_object_bodies_are_400(http: httpx.Client) -> None:
     _error(http.post("/v1/completions", content=b"", headers=headers), 400)
 
 
-def test_api_key_is_required_everywhere_but_health(server: Server) -> None:
+def test_api_key_is_required_everywhere_but_health_and_the_page(server: Server) -> None:
     bare = httpx.Client(base_url=server.base_url, timeout=30)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
     assert _error(bare.post("/v1/completions", json=body), 401)["code"] == "invalid_api_key"
@@ -140,6 +140,7 @@ def test_api_key_is_required_everywhere_but_health(server: Server) -> None:
     for path in ("/v1/models", "/metrics", "/version", "/docs"):
         _error(bare.get(path), 401)
     assert bare.get("/health").status_code == 200
+    assert bare.get("/").status_code == 200  # the playground page asks for the key itself
 
 
 def test_oversized_body_is_413(http: httpx.Client) -> None:

@@ -72,3 +72,27 @@ def test_anything_else_is_401(client: TestClient, header: str) -> None:
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
     assert KEY not in response.text
+
+
+@pytest.fixture(scope="module")
+def page_client() -> TestClient:
+    app = FastAPI()
+    app.add_middleware(APIKeyMiddleware, api_key=KEY)
+
+    @app.get("/{path:path}")
+    async def anything(path: str) -> dict[str, str]:
+        return {"path": path}
+
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("path", ["/", "/page/app.js", "/page/index.html", "/health"])
+def test_the_page_is_public(page_client: TestClient, path: str) -> None:
+    assert page_client.get(path).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path", ["/page", "/page/", "/pages/app.js", "/page/sub/app.js", "/metrics"]
+)
+def test_nothing_else_is(page_client: TestClient, path: str) -> None:
+    assert page_client.get(path).status_code == 401

@@ -21,7 +21,10 @@ from convoy.api.metrics import RequestRecord, ServerMetrics
 
 logger = logging.getLogger("convoy.api.access")
 
-PUBLIC_PATHS = frozenset({"/health"})
+# Served without the key: the health check, and the playground page's static files (it asks
+# for the key and sends it on every API call: api/routes/page.py).
+PUBLIC_PATHS = frozenset({"/health", "/"})
+PUBLIC_FOLDERS = frozenset({"/page"})  # the files directly inside, no deeper
 
 
 async def send_error(send: Send, err: APIError) -> None:
@@ -92,7 +95,7 @@ class BodyReadTimeout(StarletteHTTPException):
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route except the health check.
+    """`Authorization: Bearer <key>` on every route except the health check and the page.
 
     The scheme is case-insensitive (RFC 9110: `bearer KEY` too); the key itself is never logged.
     """
@@ -102,7 +105,8 @@ class APIKeyMiddleware:
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        path: str = scope.get("path", "")
+        if scope["type"] != "http" or path in PUBLIC_PATHS or _is_public_file(path):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
@@ -114,6 +118,11 @@ class APIKeyMiddleware:
             await send_error(send, APIError(401, message))
             return
         await self.app(scope, receive, send)
+
+
+def _is_public_file(path: str) -> bool:
+    folder, _, name = path.rpartition("/")
+    return bool(name) and folder in PUBLIC_FOLDERS
 
 
 class BodyLimitMiddleware:

@@ -54,6 +54,7 @@ from convoy.api.routes.common import (
     until_disconnect,
 )
 from convoy.api.routes.files import add_file_routes
+from convoy.api.routes.page import add_page_routes, page_url
 from convoy.api.routes.responses import add_response_routes
 from convoy.api.serving_base import off_loop
 from convoy.api.serving_chat import ChatServing, chat_text
@@ -124,6 +125,7 @@ def _lifespan(
             app, settings, batch_metrics, local_routes(app.state), name, lines_in_flight(settings)
         )
         logger.info("serving %s (max_model_len %d)", name, engine.max_model_len)
+        logger.info("playground page: open %s in a browser", page_url(settings.host, settings.port))
         try:
             yield
         finally:
@@ -176,6 +178,7 @@ def build_app(
     _add_generation_routes(app)
     add_response_routes(app)
     _add_info_routes(app, metrics)
+    add_page_routes(app)
     if replica is None:
         add_file_routes(app, settings)
         add_batch_routes(app, settings)
