@@ -27,7 +27,8 @@ from schemathesis import GenerationMode
 from tests.e2e.helpers import MODEL
 
 FUZZ_ROUTES = (
-    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
+    "/detokenize",
 )  # fmt: skip
 # `convoy serve` flags that keep every valid case cheap: a short context bounds the tokens any
 # request can generate (max_tokens must fit it), and each request starts at most 4 sequences.
