@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,21 @@ TEMPLATE = """{%- for message in messages %}
 {%- endif %}"""
 
 
-def build_thinking_model(folder: Path) -> None:
-    """Write the model, the embedded tokenizer and the template into `folder`."""
+@dataclass(frozen=True)
+class Script:
+    token_ids: list[int]  # the reply's tokens, EOS not included
+    pieces: list[str]  # their texts
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        """The tokens up to and including the one that completes `</think>`."""
+        return next(n for n in range(len(self.pieces) + 1)
+                    if "</think>" in "".join(self.pieces[:n]))  # fmt: skip
+
+
+def build_thinking_model(folder: Path) -> dict[str, Script]:
+    """Write the model, the embedded tokenizer and the template into `folder`; the replies'
+    scripts by name (`thinking`, `plain`)."""
     import transformers as tf
 
     from convoy.engine.tokenizer import Tokenizer
@@ -84,6 +98,9 @@ def build_thinking_model(folder: Path) -> None:
             for token, following in itertools.pairwise(chain):
                 head[following] += 10 * emb[token] / emb[token].norm()
     model.save_pretrained(folder)
+    names = {token_id: text for text, token_id in pieces.items()}
+    scripts = {"thinking": thinking, "plain": plain}
+    return {k: Script(ids, [names[t] for t in ids]) for k, ids in scripts.items()}
 
 
 def _pieces(tokenizer: Any) -> dict[str, int]:
@@ -121,5 +138,5 @@ def _spell(text: str, pieces: dict[str, int], used: set[int]) -> list[int]:
 if __name__ == "__main__":  # build one to look at: python -m tests.e2e.thinking_model DIR
     import sys
 
-    build_thinking_model(Path(sys.argv[1]))
-    print(json.dumps(sorted(p.name for p in Path(sys.argv[1]).iterdir())))
+    built = build_thinking_model(Path(sys.argv[1]))
+    print(json.dumps({k: v.pieces for k, v in built.items()}))
