@@ -1,11 +1,12 @@
 """A reasoning model through the real server with the official client: a tiny scripted Qwen3
 with a thinking template (thinking_model.py), whose greedy reply is a think block then
-content, its `</think>` arriving over five deltas (the last one carrying content too).
+content, its `</think>` arriving over five deltas (`.<`, `/`, `thin`, `k`, `>`).
 
 Chat: reasoning_content apart from content, whole and streamed (the same text, the same
 usage, reasoning tokens counted), enable_thinking false through chat_template_kwargs (the
-prompt grows by the closed block, the reply is content), a json_schema constraint applied
-after the think block, a regex spelling the block constraining the whole reply. Responses:
+prompt grows by the closed block, the reply is content), a json_schema constraint and tools
+`required` applied after the think block (the call parsed from the content), a regex
+spelling the block constraining the whole reply. Responses:
 a reasoning item before the message, streamed as reasoning_text events, effort `minimal` as
 thinking off, a reasoning item sent back. Hostile chat_template_kwargs and reasoning fields:
 400 naming the field, and the server keeps serving.
@@ -77,7 +78,7 @@ def test_chat_splits_the_think_block(tclient: OpenAI, model: str, script: Script
     assert message.reasoning == REASONING  # type: ignore[attr-defined]  # vLLM's newer name
     assert r.usage.completion_tokens == len(script.token_ids) + 1  # and EOS
     details = r.usage.completion_tokens_details
-    assert details is not None and details.reasoning_tokens == script.num_reasoning_tokens == 12
+    assert details is not None and details.reasoning_tokens == script.num_reasoning_tokens == 13
 
 
 def test_streamed_split_equals_whole(tclient: OpenAI, model: str) -> None:
@@ -110,12 +111,12 @@ def test_enable_thinking_false(tclient: OpenAI, model: str, tserver: Server) -> 
 
 
 def test_json_schema_applies_after_the_think_block(tclient: OpenAI, model: str) -> None:
-    schema = {"type": "string", "enum": ["four"]}
+    schema = {"type": "integer", "enum": [42]}
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     r = _chat(tclient, model, response_format=fmt)
     message = r.choices[0].message
     assert message.reasoning_content == REASONING  # type: ignore[attr-defined]
-    assert json.loads(message.content or "") == "four"
+    assert json.loads(message.content or "") == 42
 
 
 def test_a_regex_that_spells_the_block_constrains_the_whole_reply(
@@ -125,6 +126,25 @@ def test_a_regex_that_spells_the_block_constrains_the_whole_reply(
     r = _chat(tclient, model, extra_body=regex)
     message = r.choices[0].message
     assert (message.reasoning_content, message.content) == ("Mine.", "Yes")  # type: ignore[attr-defined]
+
+
+def test_tool_calls_parse_from_the_content(tclient: OpenAI, model: str) -> None:
+    """Tools `required`: the call grammar starts after the think block; the script's content
+    is refused there, so the grammar writes the call (the function takes no arguments)."""
+    tools = [{"type": "function", "function": {"name": "greet", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}]  # fmt: skip
+    r = _chat(tclient, model, tools=tools, tool_choice="required")
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert message.reasoning_content == REASONING  # type: ignore[attr-defined]
+    calls = message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("greet", "{}")]
+    chunks = list(_chat(tclient, model, tools=tools, tool_choice="required", stream=True))
+    deltas = [c.choices[0].delta for c in chunks]
+    streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    arguments = "".join(t.function.arguments for d in deltas for t in d.tool_calls or [])
+    assert (streamed, arguments) == (REASONING, "{}")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 # -- Responses ---------------------------------------------------------------------------------

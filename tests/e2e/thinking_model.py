@@ -10,7 +10,9 @@ script's last token to EOS, all other rows zero. Two scripts, by where the promp
     `...<think>\\n\\n</think>\\n\\n`     (enable_thinking false) -> PLAIN: content only
 
 A script's tokens are all different (a bigram table cannot repeat one), so the texts are
-spelled with distinct tokens of SmolLM2's vocabulary (`_spell`).
+spelled with distinct tokens of SmolLM2's vocabulary (`_spell`). THINKING's `</think>` ends
+with a `>` token of its own, so where a constraint refuses the content's first token (tools
+`required`), the model still closes the block and the grammar takes it from there.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch
 
 from tests.models.harness import copy_embedded_tokenizer
 
-THINKING = '<think>The user greets.</think>"four"'
-REASONING = "The user greets."  # THINKING's think block
-CONTENT = '"four"'  # THINKING's content: a JSON string (the json_schema test's enum)
+THINKING_PARTS = ("<think>'Hi' is a greeting.</think", ">", "42")
+THINKING = "".join(THINKING_PARTS)
+REASONING = "'Hi' is a greeting."  # THINKING's think block
+CONTENT = "42"  # THINKING's content: JSON (the json_schema test's enum)
 PLAIN = "Fine."
 EOS, VOCAB = 2, 49152  # SmolLM2's <|im_end|> and vocabulary
 
@@ -78,7 +81,10 @@ def build_thinking_model(folder: Path) -> dict[str, Script]:
         for text in ("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     ]
     pieces = _pieces(tokenizer)
-    thinking = _spell(THINKING, pieces, set(starts))
+    thinking: list[int] = []
+    for part in THINKING_PARTS:  # the lone `>` kept for its own part
+        reserved = set() if part == ">" else {pieces[">"]}
+        thinking += _spell(part, pieces, set(starts) | set(thinking) | reserved)
     plain = _spell(PLAIN, pieces, set(starts) | set(thinking))
     cfg = tf.Qwen3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
@@ -104,12 +110,12 @@ def build_thinking_model(folder: Path) -> dict[str, Script]:
 
 
 def _pieces(tokenizer: Any) -> dict[str, int]:
-    """Each plain ASCII token's text -> its id (special tokens and partial characters left
-    out)."""
+    """Each plain ASCII token's text (newlines allowed) -> its id (special tokens and partial
+    characters left out)."""
     out: dict[str, int] = {}
     for token_id in range(3, VOCAB):
         text = tokenizer.decode([token_id])
-        if text and text.isascii() and text.isprintable():
+        if text and text.isascii() and text.replace("\n", "").isprintable():
             out.setdefault(text, token_id)
     return out
 

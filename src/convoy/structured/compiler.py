@@ -186,7 +186,8 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
 
 # The think block before a reasoning model's constrained text (StructuredOutputsParams.think):
 # a grammar of its own, the constraint a second one (`@constrained`, with its own lexer, so its
-# lexemes never meet the block's). The block is a lazy lexeme: it ends at the first `</think>`.
+# lexemes never meet the block's). The block is a lazy lexeme: it ends at the first `</think>`;
+# one or two newlines may follow it (not more: a model must not loop on them).
 _THINK = {  # mode -> (the block's place, its lexeme)
     "maybe": ("think?", '"<think>" TEXT "</think>"'),
     "open": ("think", 'TEXT "</think>"'),
@@ -204,7 +205,7 @@ def after_think(grammar: str, mode: str) -> str:
     place, block = _THINK[mode]
     lark = (
         f"%llguidance {{}}\nstart: {place} @constrained\nthink: block NL?\n"
-        f"block[lazy]: {block}\nNL: /\\n+/\nTEXT: /(.|\\n)*/\n"
+        f"block[lazy]: {block}\nNL: /\\n\\n?/\nTEXT: /(.|\\n)*/\n"
     )
     return json.dumps({"grammars": [{"name": "think", "lark_grammar": lark}, *inner]})
 
