@@ -66,8 +66,8 @@ def script(built: tuple[Path, dict[str, Script]]) -> Script:
 
 
 def _chat(client: OpenAI, model: str, **kwargs: Any) -> Any:
-    return client.chat.completions.create(model=model, messages=HI, temperature=0,  # type: ignore[arg-type]
-                                          max_tokens=40, **kwargs)  # fmt: skip
+    args = {"temperature": 0, "max_tokens": 40, **kwargs}
+    return client.chat.completions.create(model=model, messages=HI, **args)  # type: ignore[arg-type]
 
 
 def test_chat_splits_the_think_block(tclient: OpenAI, model: str, script: Script) -> None:
@@ -93,6 +93,20 @@ def test_streamed_split_equals_whole(tclient: OpenAI, model: str) -> None:
     assert all(not c for c in content[: last_reasoning + 1])  # reasoning first, then content
     assert all("<" not in (r or "") and "/" not in (r or "") for r in reasoning)  # no marker
     assert chunks[-1].usage == whole.usage
+
+
+def test_a_block_cut_by_max_tokens_is_all_reasoning(tclient: OpenAI, model: str) -> None:
+    r = _chat(tclient, model, max_tokens=7, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice in r.choices:
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert choice.message.reasoning_content == "'Hi' is a"  # type: ignore[attr-defined]
+    details = r.usage.completion_tokens_details
+    assert r.usage.completion_tokens == 14 and details and details.reasoning_tokens == 14
+    chunks = list(_chat(tclient, model, max_tokens=7, stream=True))
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                       for c in chunks)  # fmt: skip
+    assert streamed == "'Hi' is a" and not any(c.choices[0].delta.content for c in chunks)
 
 
 def test_enable_thinking_false(tclient: OpenAI, model: str, tserver: Server) -> None:
