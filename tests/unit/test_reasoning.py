@@ -5,12 +5,18 @@ tokens counted, chat_template_kwargs' checks, the constraint compiled after a th
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
 import pytest
 
-from convoy.api.chat_template import RESERVED_TEMPLATE_KWARGS, check_template_kwargs
+from convoy.api.chat_template import (
+    RESERVED_TEMPLATE_KWARGS,
+    apply_template,
+    check_template_kwargs,
+)
+from convoy.api.protocol import ChatCompletionRequest
 from convoy.api.protocol_responses import ResponsesRequest, items_to_messages
 from convoy.api.reasoning import (
     ReasoningStream,
@@ -104,6 +110,28 @@ def test_reasoning_tokens_run_through_the_token_that_closes_the_block(
     assert num_reasoning_tokens(tokenizer, [5, 6, 7], unclosed) == 3  # all of a cut block
     _, _, none = split_reasoning(MAYBE, "No block.")
     assert num_reasoning_tokens(tokenizer, [5, 6, 7], none) == 0
+
+
+# A native template (it renders tools itself) that shows what it is given.
+NATIVE = (
+    "{% if tools %}<tool_call>{% endif %}{% for m in messages %}[{{ m.role }}]"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}{% endfor %}{% if enable_thinking is false %}<think></think>{% endif %}"
+)
+
+
+def test_template_kwargs_and_history_reasoning_reach_the_template(tokenizer: Tokenizer) -> None:
+    native = copy.copy(tokenizer)
+    native.chat_template = NATIVE
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "yo", "reasoning_content": "greet"},
+               {"role": "user", "content": "bye"}]  # fmt: skip
+    messages = ChatCompletionRequest(messages=history).messages
+    off = {"enable_thinking": False}
+    text = apply_template(native, messages, True, None, off)
+    assert text == "[user]hi[assistant]<think>greet</think>yo[user]bye<think></think>"
+    generic = apply_template(tokenizer, messages, True, None, off)  # SmolLM2's own template
+    assert "greet" not in generic
 
 
 # -- chat_template_kwargs ----------------------------------------------------------------------
@@ -203,13 +231,18 @@ def test_responses_reasoning_fields() -> None:
     assert chat.chat_template_kwargs == {"enable_thinking": False}
 
 
-def test_reasoning_input_items_are_kept_and_not_rendered() -> None:
+def test_reasoning_input_items_go_to_the_next_assistant_turn() -> None:
     reasoning = {"type": "reasoning", "id": "rs_1", "summary": [],
                  "content": [{"type": "reasoning_text", "text": "hm"}]}  # fmt: skip
-    items = ResponsesRequest(input=[{"role": "user", "content": "hi"}, reasoning,
-                                    {"role": "assistant", "content": "yo"}]).input_items()  # fmt: skip
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    items = ResponsesRequest(input=[{"role": "user", "content": "hi"}, reasoning, call,
+                                    {"role": "assistant", "content": "yo"}, reasoning,
+                                    ]).input_items()  # fmt: skip
     assert items[1] == {**reasoning, "status": "completed"}
-    assert [m["role"] for m in items_to_messages(items)] == ["user", "assistant"]
+    messages = items_to_messages(items)
+    # the last reasoning item, with no assistant turn after it, is dropped
+    roles = [(m["role"], m.get("reasoning_content")) for m in messages]
+    assert roles == [("user", None), ("assistant", "hm"), ("assistant", None)]
     bad = {"type": "reasoning", "content": "not a list"}
     with pytest.raises(SamplingParamsError) as e:
         ResponsesRequest(input=[bad]).input_items()

@@ -9,6 +9,10 @@ written out as the model writes them, and tool results as a user turn of `<tool_
 blocks. Either way the model is asked for the format that tools_grammar constrains and
 parse_tool_calls reads.
 
+An assistant message's `reasoning_content` (or `reasoning`) reaches a native template as
+`reasoning_content` (Qwen3's renders it within the turn still calling tools); the generic path
+drops it.
+
 `chat_template_kwargs` (vLLM's field: more variables for the template, e.g. Qwen3's
 `enable_thinking`) reach the template on both paths; names the render itself sets (the
 messages, tools, add_generation_prompt, the special tokens, the template's helpers) are refused
@@ -112,6 +116,9 @@ def _native(message: ChatMessageParam) -> dict[str, Any]:
         ]  # fmt: skip
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning and message.role == "assistant":
+        out["reasoning_content"] = reasoning  # Qwen3's template reads this name
     return out
 
 

@@ -6,8 +6,8 @@ messages), `instructions` a system message first, the flat function tools chat's
 `text.format` chat's response_format. Fields that would change the output and cannot be honoured
 are a 400 naming them (`check_supported`). `reasoning.effort` turns a thinking model's thinking
 off (`none`, `minimal`) or on (the others) through chat_template_kwargs' enable_thinking;
-reasoning items in `input` (a previous turn's output) are accepted and not rendered (templates
-drop earlier turns' thinking).
+a reasoning item in `input` (a previous turn's output) becomes the reasoning_content of the
+assistant turn after it, which a thinking template renders or drops as it does its own.
 """
 
 from __future__ import annotations
@@ -200,10 +200,15 @@ def _reasoning_item(param: str, item: Item) -> Item:
 
 
 def items_to_messages(items: list[Item]) -> list[Item]:
-    """Chat messages of normalised items; consecutive function calls share one assistant turn."""
+    """Chat messages of normalised items; consecutive function calls share one assistant turn,
+    and a reasoning item is the reasoning_content of the assistant turn that follows it."""
     messages: list[Item] = []
+    reasoning: list[str] = []  # reasoning items waiting for their assistant turn
     for item in items:
         kind = item["type"]
+        if kind == "reasoning":
+            reasoning += [p["text"] for p in item["content"]]
+            continue
         if kind == "message":
             text = "\n".join(p.get("text") or "" for p in item["content"])
             messages.append({"role": item["role"], "content": text})
@@ -215,11 +220,13 @@ def items_to_messages(items: list[Item]) -> list[Item]:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        else:
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
             )
-        # reasoning items: not rendered (templates drop earlier turns' thinking)
+        if reasoning and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = "\n".join(reasoning)
+        reasoning = []  # one not followed by its assistant turn is dropped
     return messages
 
 
