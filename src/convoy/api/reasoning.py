@@ -71,8 +71,7 @@ class ReasoningStream:
         maybe --leading `<think>`--> think --`</think>`--> after (newlines dropped) --> content
         maybe --anything else--> content;  open prompt: starts in think
 
-    `close_end`: where `</think>` ends in the text fed (None until it is seen), what
-    num_reasoning_tokens needs.
+    `close_end`: where `</think>` ends in the text fed (None until it is seen).
     """
 
     __slots__ = ("_state", "_held", "num_chars", "close_end")
@@ -156,18 +155,18 @@ def num_reasoning_tokens(
     skip_special_tokens: bool = True,
 ) -> int:
     """The reply's reasoning tokens: up to and including the one that completes `</think>`
-    (the shortest prefix of the ids whose decoded text holds the marker where the stream found
-    it, by bisection), all of them for a block never closed, 0 without a block."""
+    (the shortest prefix of the ids whose decoded text holds the marker, by bisection: its
+    first `</think>` is the one that closed the block), all of them for a block never closed,
+    0 without a block."""
     if not stream.is_reasoning:
         return 0
-    end = stream.close_end
-    if end is None:
+    if stream.close_end is None:
         return len(token_ids)
     lo, hi = 1, len(token_ids)
     while lo < hi:
         mid = (lo + hi) // 2
         text = tokenizer.decode(token_ids[:mid], skip_special_tokens=skip_special_tokens)
-        if text[end - len(THINK_CLOSE) : end] == THINK_CLOSE:
+        if THINK_CLOSE in text:
             hi = mid
         else:
             lo = mid + 1
