@@ -8,7 +8,7 @@ prompt grows by the closed block, the reply is content), a json_schema constrain
 `required` applied after the think block (the call parsed from the content), a regex
 spelling the block constraining the whole reply. Responses:
 a reasoning item before the message, streamed as reasoning_text events, effort `minimal` as
-thinking off, a reasoning item sent back. Hostile chat_template_kwargs and reasoning fields:
+thinking off, a reasoning item sent back. Batch API chat lines: the same. Hostile chat_template_kwargs and reasoning fields:
 400 naming the field, and the server keeps serving.
 """
 
@@ -25,6 +25,7 @@ from openai import OpenAI
 
 from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.helpers import API_KEY, error_object
+from tests.e2e.test_batches import results, submit, wait
 from tests.e2e.thinking_model import CONTENT, PLAIN, REASONING, Script, build_thinking_model
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -159,6 +160,22 @@ def test_tool_calls_parse_from_the_content(tclient: OpenAI, model: str) -> None:
     arguments = "".join(t.function.arguments for d in deltas for t in d.tool_calls or [])
     assert (streamed, arguments) == (REASONING, "{}")
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_batch_chat_lines(tclient: OpenAI, model: str) -> None:
+    """Batch API chat lines run through the same serving object: kwargs and the split too."""
+    body = {"model": model, "messages": HI, "max_tokens": 40, "temperature": 0}
+    lines = [
+        {"custom_id": "on", "method": "POST", "url": "/v1/chat/completions", "body": body},
+        {"custom_id": "off", "method": "POST", "url": "/v1/chat/completions",
+         "body": {**body, **OFF}},
+    ]  # fmt: skip
+    batch = wait(tclient, submit(tclient, lines, "/v1/chat/completions").id)
+    assert batch.status == "completed"
+    out = {k: v["response"]["body"]["choices"][0]["message"]
+           for k, v in results(tclient, batch.output_file_id).items()}  # fmt: skip
+    assert (out["on"]["reasoning_content"], out["on"]["content"]) == (REASONING, CONTENT)
+    assert "reasoning_content" not in out["off"] and out["off"]["content"] == PLAIN
 
 
 # -- Responses ---------------------------------------------------------------------------------
