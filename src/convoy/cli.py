@@ -185,6 +185,7 @@ _CLUSTER_FLAGS = ("replicas", "replica_cpus", "shard_lines", "fake_engine")
 _BATCH_SERVER_LEAVES = {
     "served_model_name": "the `model` the lines' bodies name (default: the model's name)",
     "max_request_bytes": "longer input lines are answered with a line_too_long error line",
+    "reasoning_parser": "split a reasoning model's <think> block from chat answers (see serve)",
     "log_level": "log level",
 }
 

@@ -148,6 +148,7 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 POOLINGS = ("auto", "last", "mean")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
 
 
 @dataclass(slots=True)
@@ -316,11 +317,20 @@ class ServerConfig(_Config):
         " (default: until deleted, as OpenAI; a batch's output_expires_after overrides it)",
         kind="positive",
     )
+    reasoning_parser: str = setting(
+        "auto",
+        "split a reasoning model's <think> block from its replies (chat reasoning_content, a"
+        " Responses reasoning item); auto: when the chat template mentions <think>; qwen3: a"
+        " block the reply opens; deepseek_r1: the reply starts in one; none: never",
+        choices=REASONING_PARSERS,
+    )
     log_level: str = setting(
         "info", "server log level (info: one line per request)", choices=LOG_LEVELS
     )
 
     def _validate(self) -> None:
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"unsupported reasoning_parser {self.reasoning_parser!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queue_seqs < self.max_seqs_per_request:  # else a valid request never fits

@@ -5,14 +5,12 @@ model-level checks). The tokenizer is the embedded SmolLM2's; prompts are token 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
 from convoy import LLM, SamplingParams
-from convoy.models.loader import resolve_model
-from tests.models.harness import reference_greedy
+from tests.models.harness import copy_embedded_tokenizer, reference_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer
 STEPS = 10
@@ -36,10 +34,7 @@ def _phi3_folder(path: Path):
     torch.manual_seed(0)
     ref = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     ref.save_pretrained(path)
-    tokenizer_dir = resolve_model("smollm2-135m-instruct").model_dir
-    for f in tokenizer_dir.glob("*"):
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, path / f.name)
+    copy_embedded_tokenizer(path)
     return ref
 
 

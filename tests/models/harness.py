@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from convoy.model_config import ModelConfig
+from convoy.models.loader import resolve_model
 from convoy.sampling_params import SamplingParams
 from convoy.worker.batch import PromptScoring, SamplerRow, ScheduledSeq
 from convoy.worker.kv_cache import allocate_kv_cache
@@ -76,3 +79,11 @@ def reference_greedy(
         )
         tokens.append(int(out.logits[0, -1].argmax()))
     return prefill, tokens
+
+
+def copy_embedded_tokenizer(folder: Path) -> None:
+    """Give a tiny random model's folder the embedded SmolLM2's tokenizer (49152 tokens)."""
+    tokenizer_dir = resolve_model("smollm2-135m-instruct").model_dir
+    for f in tokenizer_dir.glob("*"):
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)

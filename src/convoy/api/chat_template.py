@@ -8,11 +8,21 @@ generic rendering of tool_format: the tools section in the system message, assis
 written out as the model writes them, and tool results as a user turn of `<tool_response>`
 blocks. Either way the model is asked for the format that tools_grammar constrains and
 parse_tool_calls reads.
+
+An assistant message's `reasoning_content` (or `reasoning`) reaches a native template as
+`reasoning_content` (Qwen3's renders it within the turn still calling tools); the generic path
+drops it.
+
+`chat_template_kwargs` (vLLM's field: more variables for the template, e.g. Qwen3's
+`enable_thinking`) reach the template on both paths; names the render itself sets (the
+messages, tools, add_generation_prompt, the special tokens, the template's helpers) are refused
+by `check_template_kwargs`, as is a key that is no template name or an oversized value.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 from convoy.api.protocol_tools import ChatMessageParam
@@ -23,9 +33,48 @@ from convoy.api.tool_format import (
     tool_response_text,
     tools_prompt,
 )
+from convoy.sampling_params import SamplingParamsError
 
 if TYPE_CHECKING:
     from convoy.engine.tokenizer import Tokenizer
+
+
+TEMPLATE_KWARGS_PARAM = "chat_template_kwargs"
+MAX_TEMPLATE_KWARGS = 32  # keys
+MAX_TEMPLATE_KWARGS_BYTES = 16 << 10  # all values, as compact JSON
+# What the render sets itself: transformers' apply_chat_template arguments, the tokenizer's
+# special tokens, the helpers templates call. A client's value would replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+    "cls_token", "mask_token", "additional_special_tokens", "raise_exception", "strftime_now",
+})  # fmt: skip
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """400 naming `chat_template_kwargs.<key>` (or the field) for what the render must refuse."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise SamplingParamsError(
+            f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs are allowed", TEMPLATE_KWARGS_PARAM
+        )
+    for key in kwargs:
+        param = f"{TEMPLATE_KWARGS_PARAM}.{key}"
+        if not _NAME.fullmatch(key):
+            raise SamplingParamsError(f"{key[:64]!r} is not a template variable name", param)
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise SamplingParamsError(f"{key!r} is set by the server, not by the request", param)
+    try:
+        size = len(json.dumps(kwargs, separators=(",", ":")).encode())
+    except (ValueError, RecursionError):
+        size = MAX_TEMPLATE_KWARGS_BYTES + 1
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise SamplingParamsError(
+            f"chat_template_kwargs is larger than {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON",
+            TEMPLATE_KWARGS_PARAM,
+        )
 
 
 def has_tool_support(template: str | None) -> bool:
@@ -38,13 +87,19 @@ def apply_template(
     messages: list[ChatMessageParam],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The prompt text of `messages` (TemplateError -> 400); `tools` as tools_for_prompt()
-    gives them."""
+    gives them; `template_kwargs` checked by check_template_kwargs."""
     if has_tool_support(tokenizer.chat_template):
         native = [_native(m) for m in messages]
-        return tokenizer.apply_chat_template(native, add_generation_prompt, tools=tools or None)
-    return tokenizer.apply_chat_template(_generic(messages, tools), add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            native, add_generation_prompt, tools=tools or None, template_kwargs=template_kwargs
+        )
+    generic = _generic(messages, tools)
+    return tokenizer.apply_chat_template(
+        generic, add_generation_prompt, template_kwargs=template_kwargs
+    )
 
 
 def _role(message: ChatMessageParam) -> str:
@@ -61,6 +116,9 @@ def _native(message: ChatMessageParam) -> dict[str, Any]:
         ]  # fmt: skip
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning and message.role == "assistant":
+        out["reasoning_content"] = reasoning  # Qwen3's template reads this name
     return out
 
 

@@ -122,10 +122,17 @@ _END = object()
 class EngineClient:
     """The engine plus the server's admission rules; shared by the completion and chat routes."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, limits: ServingLimits) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        limits: ServingLimits,
+        reasoning_parser: str = "auto",
+    ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.limits = limits
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser (api/reasoning.py)
         # Engine requests admitted and not yet finished, Batch API lines too (a /metrics gauge).
         self.num_in_flight = 0
         self.num_seqs_in_flight = 0  # their sequences but batch ones: what max_queue_seqs bounds

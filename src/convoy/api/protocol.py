@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
+from convoy.api.chat_template import check_template_kwargs
 from convoy.api.protocol_base import OpenAIModel, RequestModel, is_none
 from convoy.api.protocol_structured import (
     Choices,
@@ -98,18 +99,35 @@ class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
+class CompletionTokensDetails(OpenAIModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # a reasoning model's chat usage only
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=is_none
+    )
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    def of(
+        cls,
+        num_prompt_tokens: int,
+        num_completion_tokens: int,
+        num_reasoning_tokens: int | None = None,
+    ) -> UsageInfo:
         total = num_prompt_tokens + num_completion_tokens
+        details = None
+        if num_reasoning_tokens is not None:
+            details = CompletionTokensDetails(reasoning_tokens=num_reasoning_tokens)
         return cls(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=total,
+            completion_tokens_details=details,
         )
 
 
@@ -286,11 +304,14 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
     response_format: ResponseFormat | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
 
     def check(self) -> None:
         super().check()
         for message in self.messages:
             message.check()
+        if self.chat_template_kwargs:
+            check_template_kwargs(self.chat_template_kwargs)
         self.check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -326,11 +347,18 @@ class ChatChoiceLogprobs(OpenAIModel):
     content: list[ChatLogprobToken] | None = None
 
 
+# A reasoning model's think block (reasoning.py): vLLM's `reasoning_content` and `reasoning`,
+# its newer name, both set; omitted for other models.
+Reasoning = Annotated[str | None, Field(default=None, exclude_if=is_none)]
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None  # OpenAI's field (never set here); parse() reads it
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=is_none)
+    reasoning_content: Reasoning = None
+    reasoning: Reasoning = None
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -353,6 +381,8 @@ class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=is_none)
+    reasoning_content: Reasoning = None
+    reasoning: Reasoning = None
 
 
 class ChatStreamChoice(OpenAIModel):

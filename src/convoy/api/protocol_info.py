@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from convoy.api.protocol import ChatMessageParam, OpenAIModel, RequestModel, TokenId
 
@@ -28,6 +28,7 @@ class TokenizeRequest(RequestModel):
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # as chat's (messages only)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     return_token_strs: bool = False
 

@@ -4,7 +4,10 @@ A Responses request runs as a chat completion (serving_responses.py): `input` it
 messages (function_call items an assistant message's tool_calls, function_call_output items tool
 messages), `instructions` a system message first, the flat function tools chat's nested ones,
 `text.format` chat's response_format. Fields that would change the output and cannot be honoured
-are a 400 naming them (`check_supported`).
+are a 400 naming them (`check_supported`). `reasoning.effort` turns a thinking model's thinking
+off (`none`, `minimal`) or on (the others) through chat_template_kwargs' enable_thinking;
+a reasoning item in `input` (a previous turn's output) becomes the reasoning_content of the
+assistant turn after it, which a thinking template renders or drops as it does its own.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from convoy.sampling_params import SamplingParamsError
 Item = dict[str, Any]
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _INCLUDABLE: set[str] = set()  # no `include` value is honoured yet
+_EFFORT_THINKS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
+                  "xhigh": True}  # fmt: skip
 
 
 def new_item_id(prefix: str) -> str:
@@ -55,13 +60,28 @@ class ResponsesRequest(RequestModel):
                     f"tool type {tool.get('type')!r} is not supported; only function tools are",
                     f"tools[{i}].type",
                 )
-        if self.reasoning and (self.reasoning.get("effort") or self.reasoning.get("summary")):
-            raise SamplingParamsError("this model does not reason", "reasoning")
+        if (self.reasoning or {}).get("summary") is not None:
+            raise SamplingParamsError(
+                "reasoning summaries are not supported (the reasoning item carries the text)",
+                "reasoning.summary",
+            )
         if self.background:
             raise SamplingParamsError("background responses are not supported", "background")
         for value in self.include or []:
             if value not in _INCLUDABLE:
                 raise SamplingParamsError(f"include value {value!r} is not supported", "include")
+
+    def thinking(self) -> bool | None:
+        """`reasoning.effort` as enable_thinking (None when not set)."""
+        effort = (self.reasoning or {}).get("effort")
+        if effort is None:
+            return None
+        if not isinstance(effort, str) or effort not in _EFFORT_THINKS:
+            names = ", ".join(_EFFORT_THINKS)
+            raise SamplingParamsError(
+                f"reasoning.effort must be one of {names}", "reasoning.effort"
+            )
+        return _EFFORT_THINKS[effort]
 
     def input_items(self) -> list[Item]:
         """`input` as normalised items, each with an id (as GET .../input_items lists them)."""
@@ -69,8 +89,9 @@ class ResponsesRequest(RequestModel):
             return [_message_item("user", self.input)]
         return [_normalise(i, item) for i, item in enumerate(self.input)]
 
-    def to_chat(self, items: list[Item]) -> ChatCompletionRequest:
-        """The chat request that runs this one, over the whole conversation `items`."""
+    def to_chat(self, items: list[Item], thinking: bool | None = None) -> ChatCompletionRequest:
+        """The chat request that runs this one, over the whole conversation `items`;
+        `thinking`: enable_thinking for the template, if set."""
         messages: list[Item] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -89,6 +110,8 @@ class ResponsesRequest(RequestModel):
             body["tool_choice"] = _chat_tool_choice(self.tool_choice)
         if (fmt := (self.text or {}).get("format")) is not None:
             body["response_format"] = _chat_format(fmt)
+        if thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": thinking}
         return ChatCompletionRequest.model_validate(body)
 
     def echo(self) -> Item:
@@ -108,7 +131,7 @@ class ResponsesRequest(RequestModel):
             "user": self.user,
             "store": self.store is not False,
             "background": False,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": (self.reasoning or {}).get("effort"), "summary": None},
             "truncation": "disabled",
         }
 
@@ -156,14 +179,36 @@ def _normalise(index: int, item: Item) -> Item:
         return {"id": item.get("id") or new_item_id("fco"), "type": "function_call_output",
                 "call_id": item["call_id"], "output": item["output"],
                 "status": "completed"}  # fmt: skip
+    if kind == "reasoning":
+        return _reasoning_item(param, item)
     raise SamplingParamsError(f"input item type {kind!r} is not supported", f"{param}.type")
 
 
+def _reasoning_item(param: str, item: Item) -> Item:
+    """A reasoning item sent back (a previous output): its text parts kept, nothing else."""
+    content = item.get("content") or []
+    if not isinstance(content, list) or not all(
+        isinstance(p, dict) and isinstance(p.get("text"), str) for p in content
+    ):
+        raise SamplingParamsError("a reasoning item's content is a list of text parts",
+                                  f"{param}.content")  # fmt: skip
+    if not isinstance(item.get("summary", []), list):
+        raise SamplingParamsError("a reasoning item's summary is a list", f"{param}.summary")
+    parts = [{"type": "reasoning_text", "text": p["text"]} for p in content]
+    return {"id": item.get("id") or new_item_id("rs"), "type": "reasoning", "summary": [],
+            "content": parts, "status": "completed"}  # fmt: skip
+
+
 def items_to_messages(items: list[Item]) -> list[Item]:
-    """Chat messages of normalised items; consecutive function calls share one assistant turn."""
+    """Chat messages of normalised items; consecutive function calls share one assistant turn,
+    and a reasoning item is the reasoning_content of the assistant turn that follows it."""
     messages: list[Item] = []
+    reasoning: list[str] = []  # reasoning items waiting for their assistant turn
     for item in items:
         kind = item["type"]
+        if kind == "reasoning":
+            reasoning += [p["text"] for p in item["content"]]
+            continue
         if kind == "message":
             text = "\n".join(p.get("text") or "" for p in item["content"])
             messages.append({"role": item["role"], "content": text})
@@ -179,6 +224,9 @@ def items_to_messages(items: list[Item]) -> list[Item]:
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
             )
+        if reasoning and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = "\n".join(reasoning)
+        reasoning = []  # one not followed by its assistant turn is dropped
     return messages
 
 

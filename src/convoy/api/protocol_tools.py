@@ -56,6 +56,9 @@ class ChatMessageParam(RequestModel):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
     tool_call_id: str | None = None  # role tool: the call this result answers
+    # an assistant turn's thinking (vLLM's fields; a template that renders it gets it)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         """The content as one text string (text parts joined by newlines)."""

@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from convoy.api.chat_template import check_template_kwargs
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError, install_error_handlers
 from convoy.api.metrics import ServerMetrics
@@ -111,7 +112,7 @@ def _lifespan(
         gc.freeze()
         name = settings.served_model_name or engine.model_name
         limits = ServingLimits.of(settings)
-        client = EngineClient(engine, name, limits)
+        client = EngineClient(engine, name, limits, settings.reasoning_parser)
         metrics.attach_engine(engine.stats, lambda: client.num_in_flight)
         app.state.engine, app.state.client = engine, client
         app.state.completions, app.state.chat = CompletionServing(client), ChatServing(client)
@@ -340,7 +341,11 @@ def _tokenize(client: EngineClient, body: TokenizeRequest) -> TokenizeResponse:
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     tokenizer = client.tokenizer
     if body.messages is not None:
-        text = chat_text(client, body.messages, body.add_generation_prompt)
+        if body.chat_template_kwargs:
+            check_template_kwargs(body.chat_template_kwargs)
+        text = chat_text(
+            client, body.messages, body.add_generation_prompt, None, body.chat_template_kwargs
+        )
         tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         add_special = body.add_special_tokens is not False

@@ -115,6 +115,7 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         """Tokenize (through the chat template) and pass the engine's front door: the heavy part."""
         prompts = self.prompts(request)
         try:
+            self.adapt(params, prompts)
             return prompts, self.client.process(
                 api_id, prompts, params, self.prompt_param, priority
             )
@@ -134,22 +135,31 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
     def prompts(self, request: RequestT) -> list[Prompt]:
         raise NotImplementedError
 
+    def adapt(self, params: SamplingParams, prompts: list[Prompt]) -> None:
+        """The last word on the parameters once the prompts are rendered (chat: a reasoning
+        model's constraint)."""
+
     async def collect(self, job: Job[RequestT], outputs: Outputs) -> ResponseT:
         raise NotImplementedError
 
     def stream(self, job: Job[RequestT], outputs: Outputs) -> AsyncGenerator[ChunkT, None]:
         raise NotImplementedError
 
-    def usage(self, job: Job[RequestT], num_completion_tokens: int) -> UsageInfo:
-        """Usage counts each prompt once and every generated token (best_of candidates too)."""
+    def usage(
+        self, job: Job[RequestT], num_completion_tokens: int, num_reasoning: int | None = None
+    ) -> UsageInfo:
+        """Usage counts each prompt once and every generated token (best_of candidates too);
+        `num_reasoning`: a reasoning model's think-block tokens (chat)."""
         job.record.num_completion_tokens = num_completion_tokens
-        return UsageInfo.of(job.record.num_prompt_tokens, num_completion_tokens)
+        return UsageInfo.of(job.record.num_prompt_tokens, num_completion_tokens, num_reasoning)
 
-    def usage_chunk(self, job: Job[RequestT], num_completion_tokens: int) -> ChunkT | None:
+    def usage_chunk(
+        self, job: Job[RequestT], num_completion_tokens: int, num_reasoning: int | None = None
+    ) -> ChunkT | None:
         """The last chunk (`choices: []`) when stream_options.include_usage is set."""
         if not job.request.include_usage:
             return None
-        return self.chunk(job, [], self.usage(job, num_completion_tokens))
+        return self.chunk(job, [], self.usage(job, num_completion_tokens, num_reasoning))
 
     def chunk(
         self, job: Job[RequestT], choices: list[Any], usage: UsageInfo | None = None

@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: messages -> chat template -> one engine request with n choices.
 
-With tools (mode auto / required / a named function) each choice's text is split into content
-and tool calls (tool_format): whole, or as it streams, in OpenAI's delta shape.
+With a reasoning model (reasoning.py) each choice's text is split into reasoning and content
+first, and a constraint applies to the content after the think block. With tools (mode auto /
+required / a named function) the content is split into content and tool calls (tool_format):
+whole, or as it streams, in OpenAI's delta shape.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ from convoy.api.protocol_tools import (
     ToolCall,
     new_call_id,
 )
+from convoy.api.reasoning import (
+    ReasoningStream,
+    ThinkStart,
+    num_reasoning_tokens,
+    split_reasoning,
+    think_start,
+)
 from convoy.api.serving_base import Job, Outputs, ServingBase, finish_reason, is_empty_delta
+from convoy.api.structured_reasoning import constrain_after_think
 from convoy.api.tool_format import CallDelta, ToolCallStream, parse_tool_calls
 from convoy.engine.request import Priority
 from convoy.outputs import CompletionOutput, FinishReason, RequestOutput
@@ -48,9 +58,10 @@ def chat_text(
     messages: list[ChatMessageParam],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The model's chat template applied to the messages and tools (TemplateError -> 400)."""
-    return apply_template(client.tokenizer, messages, add_generation_prompt, tools)
+    return apply_template(client.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
 
 
 def render_chat(client: EngineClient, request: ChatCompletionRequest) -> Prompt:
@@ -61,7 +72,9 @@ def render_chat(client: EngineClient, request: ChatCompletionRequest) -> Prompt:
     """
     add_generation_prompt = request.add_generation_prompt is not False
     tools = request.tools_for_prompt() if request.tools else None
-    text = chat_text(client, request.messages, add_generation_prompt, tools)
+    text = chat_text(
+        client, request.messages, add_generation_prompt, tools, request.chat_template_kwargs
+    )
     return Prompt(text, client.encode_prompt(text, "messages", add_special_tokens=False))
 
 
@@ -72,6 +85,17 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
 
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
         return [render_chat(self.client, request)]
+
+    def think_start(self, prompts: list[Prompt]) -> ThinkStart:
+        """Where the replies start relative to a think block (reasoning.py)."""
+        client = self.client
+        return think_start(
+            client.reasoning_parser, client.tokenizer.chat_template, prompts[0].text or ""
+        )
+
+    def adapt(self, params: SamplingParams, prompts: list[Prompt]) -> None:
+        """A reasoning model's constraint applies to the content after its think block."""
+        constrain_after_think(params, self.think_start(prompts))
 
     def _prepare(
         self,
@@ -107,11 +131,9 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
         num_top = job.request.top_logprobs or 0
         return ChatChoiceLogprobs(content=chat_logprobs(job.names, c.token_ids, positions, num_top))
 
-    def _choice(self, job: _Job, c: CompletionOutput) -> ChatCompletionChoice:
-        message, finish = _message(job.request, c)
-        return ChatCompletionChoice(
-            index=c.index, message=message, logprobs=self._logprobs(job, c), finish_reason=finish
-        )
+    def _num_reasoning_tokens(self, job: _Job, token_ids: list[int], split: ReasoningStream) -> int:
+        skip = job.request.skip_special_tokens is not False
+        return num_reasoning_tokens(self.client.tokenizer, token_ids, split, skip)
 
     async def collect(self, job: _Job, outputs: Outputs) -> ChatCompletionResponse:
         final: RequestOutput | None = None
@@ -119,13 +141,28 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
             async for _, out in outputs:
                 final = out
         assert final is not None, "the engine ended a request without output"
-        choices = [self._choice(job, c) for c in sorted(final.outputs, key=lambda c: c.index)]
+        start = self.think_start(job.prompts)
+        choices: list[ChatCompletionChoice] = []
+        num_reasoning = None if start == ThinkStart.OFF else 0
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            reasoning, content, split = split_reasoning(start, c.text)
+            message, finish = _message(job.request, c, content, reasoning)
+            choices.append(
+                ChatCompletionChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(job, c),
+                    finish_reason=finish,
+                )
+            )
+            if num_reasoning is not None:
+                num_reasoning += self._num_reasoning_tokens(job, c.token_ids, split)
         return ChatCompletionResponse(
             id=job.api_id,
             created=job.created,
             model=self.client.served_model_name,
             choices=choices,
-            usage=self.usage(job, final.num_generated_tokens),
+            usage=self.usage(job, final.num_generated_tokens, num_reasoning),
         )
 
     async def stream(
@@ -138,13 +175,19 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
         num_completion_tokens = 0
         is_tool_reply = job.request.tool_mode != "none"
         parsers = {j: ToolCallStream() for j in range(job.n)} if is_tool_reply else {}
+        start = self.think_start(job.prompts)
+        is_split = start != ThinkStart.OFF
+        splits = {j: ReasoningStream(start) for j in range(job.n)} if is_split else {}
+        token_ids: dict[int, list[int]] = {j: [] for j in splits}
         async with aclosing(outputs):
             async for _, out in outputs:
                 for c in out.outputs:
                     num_completion_tokens += len(c.token_ids)
+                    if is_split:
+                        token_ids[c.index] += c.token_ids
                     if is_empty_delta(c):
                         continue
-                    delta, finish = _delta(parsers.get(c.index), c)
+                    delta, finish = _delta(parsers.get(c.index), splits.get(c.index), c)
                     logprobs = self._logprobs(job, c)
                     if delta is None and finish is None and logprobs is None:
                         continue  # text held back (a call's head, perhaps the marker)
@@ -156,40 +199,72 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
                     )
                     yield self.chunk(job, [choice])
                 job.record.num_completion_tokens = num_completion_tokens
-        if (last := self.usage_chunk(job, num_completion_tokens)) is not None:
+        num_reasoning = None
+        if is_split:
+            num_reasoning = sum(
+                self._num_reasoning_tokens(job, token_ids[j], split) for j, split in splits.items()
+            )
+        if (last := self.usage_chunk(job, num_completion_tokens, num_reasoning)) is not None:
             yield last
 
 
-def _message(request: ChatCompletionRequest, c: CompletionOutput) -> tuple[ChatMessage, str | None]:
+def _message(
+    request: ChatCompletionRequest, c: CompletionOutput, text: str, reasoning: str | None
+) -> tuple[ChatMessage, str | None]:
     """A choice's message and finish reason: its calls when it stopped after complete ones
-    (finish `tool_calls`), else its text as content (a call cut by max_tokens stays text)."""
+    (finish `tool_calls`), else its text (the content after any think block) as content (a
+    call cut by max_tokens stays text)."""
     if request.tool_mode != "none" and c.finish_reason == FinishReason.STOP:
-        parsed = parse_tool_calls(c.text)
+        parsed = parse_tool_calls(text)
         if parsed is not None:
             content, calls = parsed
-            message = ChatMessage(content=content, tool_calls=[ToolCall.of(x) for x in calls])
+            message = ChatMessage(
+                content=content,
+                tool_calls=[ToolCall.of(x) for x in calls],
+                reasoning_content=reasoning,
+                reasoning=reasoning,
+            )
             return message, "tool_calls"
-    return ChatMessage(content=c.text), finish_reason(c)
+    content = text if reasoning is None else text or None  # all reasoning: no content
+    message = ChatMessage(content=content, reasoning_content=reasoning, reasoning=reasoning)
+    return message, finish_reason(c)
 
 
 def _delta(
-    parser: ToolCallStream | None, c: CompletionOutput
+    parser: ToolCallStream | None, split: ReasoningStream | None, c: CompletionOutput
 ) -> tuple[DeltaMessage | None, str | None]:
-    """A choice's next delta (None: nothing to send yet) and finish reason; with a parser,
-    content and tool-call deltas (a call's id and name first, then its arguments as they
-    come). The finish is `tool_calls` when the whole text parses as calls, as in `_message`."""
+    """A choice's next delta (None: nothing to send yet) and finish reason; with a split, the
+    reasoning apart; with a parser, content and tool-call deltas (a call's id and name first,
+    then its arguments as they come). The finish is `tool_calls` when the whole content
+    parses as calls, as in `_message`."""
+    is_last = c.finish_reason is not None
+    reasoning, text = None, c.text
+    if split is not None:
+        part = split.feed(c.text, is_last)
+        reasoning, text = part.reasoning or None, part.content
     if parser is None:
-        return DeltaMessage(content=c.text), finish_reason(c)
-    content, calls = parser.feed(c.text)
+        if split is not None and not text and reasoning is None:
+            return None, finish_reason(c)
+        content: str | None = text if split is None or text else None
+        return _delta_message(content, reasoning), finish_reason(c)
+    content, calls = parser.feed(text)
     finish = finish_reason(c)
-    if c.finish_reason is not None:
+    if is_last:
         content += parser.finish()
         if c.finish_reason == FinishReason.STOP and parse_tool_calls(parser.text) is not None:
             finish = "tool_calls"
-    if not content and not calls:
+    if not content and not calls and reasoning is None:
         return None, finish
     tool_calls = [_delta_call(d) for d in calls] or None
-    return DeltaMessage(content=content or None, tool_calls=tool_calls), finish
+    return _delta_message(content or None, reasoning, tool_calls), finish
+
+
+def _delta_message(
+    content: str | None, reasoning: str | None, tool_calls: list[DeltaToolCall] | None = None
+) -> DeltaMessage:
+    return DeltaMessage(
+        content=content, tool_calls=tool_calls, reasoning_content=reasoning, reasoning=reasoning
+    )
 
 
 def _delta_call(d: CallDelta) -> DeltaToolCall:

@@ -1,6 +1,8 @@
 """/v1/responses over ChatServing: a Responses request runs as a chat completion (its template,
 sampling, structured outputs and tool parsing) and its answer is recast as a response object,
-or, streamed, as Responses' typed events. No HTTP here.
+or, streamed, as Responses' typed events. A reasoning model's think block (chat's
+reasoning_content) is a `reasoning` item before the message, streamed as
+`response.reasoning_text.*` events. No HTTP here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from convoy.api.errors import APIError, from_exception
 from convoy.api.metrics import RequestRecord
 from convoy.api.protocol import ChatCompletionChunk, ChatCompletionResponse, UsageInfo
 from convoy.api.protocol_responses import Item, ResponseBody, ResponsesRequest, new_item_id
+from convoy.api.reasoning import is_thinking_template
 from convoy.api.responses_store import ResponseStore, StoredResponse
 from convoy.api.serving_chat import ChatServing
 from convoy.sampling_params import SamplingParamsError
@@ -38,19 +41,30 @@ def not_found(response_id: str, param: str = "response_id") -> APIError:
 def _usage(u: UsageInfo | None) -> Item | None:
     if u is None:
         return None
+    details = u.completion_tokens_details
     return {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": details.reasoning_tokens if details else 0},
         "total_tokens": u.total_tokens,
     }
 
 
-def _text_item(item_id: str, text: str, status: str) -> Item:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(kind: str, text: str) -> Item:
+    """A message's output_text part, or a reasoning item's reasoning_text part."""
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
+
+
+def _text_item(item_id: str, text: str, status: str, kind: str = "message") -> Item:
+    """A message item, or (kind `reasoning`) a reasoning item: no summary, the text whole."""
+    if kind == "reasoning":
+        return {"id": item_id, "type": "reasoning", "summary": [],
+                "content": [_part(kind, text)], "status": status}  # fmt: skip
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [part]}  # fmt: skip
+            "content": [_part(kind, text)]}  # fmt: skip
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Item:
@@ -85,12 +99,13 @@ class ResponsesServing:
         self, request: ResponsesRequest, record: RequestRecord | None, size: int | None
     ) -> ResponseBody | AsyncGenerator[ResponseBody, None]:
         request.check_supported()
+        thinking = self._thinking(request)
         items = request.input_items()
         if request.previous_response_id:
             previous = await self.load(request.previous_response_id, "previous_response_id")
             items = previous.conversation + items
         try:
-            chat = request.to_chat(items)
+            chat = request.to_chat(items, thinking)
         except ValidationError as e:
             err = e.errors(include_url=False)[0]
             raise SamplingParamsError(f"{err['msg']} at {err['loc']}", "input") from None
@@ -109,6 +124,9 @@ class ResponsesServing:
             choice = result.choices[0]
             message = choice.message
             output: list[Item] = []
+            if message.reasoning_content is not None:
+                output.append(_text_item(new_item_id("rs"), message.reasoning_content,
+                                         "completed", "reasoning"))  # fmt: skip
             if message.content or not message.tool_calls:
                 output.append(_text_item(new_item_id("msg"), message.content or "", "completed"))
             for call in message.tool_calls or []:
@@ -122,6 +140,16 @@ class ResponsesServing:
         # when the client left before the first event
         return ClosingGenerator(_EventStream(self, request, response, items).run(result),
                                 result.aclose)  # fmt: skip
+
+    def _thinking(self, request: ResponsesRequest) -> bool | None:
+        """`reasoning.effort` as a thinking model's enable_thinking (None: not set); 400 for a
+        model whose template does not think."""
+        effort = request.thinking()
+        if effort is not None and not is_thinking_template(
+            self.chat.client.tokenizer.chat_template
+        ):
+            raise SamplingParamsError("this model does not reason", "reasoning.effort")
+        return effort
 
     async def _save(self, request: ResponsesRequest, response: Item, items: list[Item]) -> None:
         if request.store is not False and self.store is not None:
@@ -137,8 +165,7 @@ class _EventStream:
     ) -> None:  # fmt: skip
         self.serving, self.request, self.response, self.items = serving, request, response, items
         self.seq = 0
-        self.text: str | None = None  # the open message's text
-        self.text_id = ""
+        self.open: dict[str, tuple[str, str]] = {}  # kind -> (item id, text) of an open item
         self.calls: dict[int, Item] = {}  # chat's call index -> its function_call item
         self.output: list[Item] = []  # items in output order (dicts updated in place)
 
@@ -163,7 +190,10 @@ class _EventStream:
                     usage = chunk.usage or usage
                     for choice in chunk.choices:
                         finish = choice.finish_reason or finish
-                        for ev in self.delta(choice.delta.content, choice.delta.tool_calls):
+                        delta = choice.delta
+                        events = self.text_delta("reasoning", delta.reasoning_content)
+                        events += self.text_delta("message", delta.content)
+                        for ev in events + self.calls_delta(delta.tool_calls):
                             yield ev
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             err = from_exception(e)
@@ -181,18 +211,27 @@ class _EventStream:
         kind = "response.incomplete" if finish == "length" else "response.completed"
         yield self.event(kind, response=self.response)
 
-    def delta(self, content: str | None, calls: list[Any] | None) -> list[ResponseBody]:
+    def text_delta(self, kind: str, text: str | None) -> list[ResponseBody]:
+        """A piece of the message's text, or of the reasoning item's (which closes when the
+        message opens)."""
+        if not text:
+            return []
+        events = self.close_text("reasoning") if kind == "message" else []
+        if kind not in self.open:
+            events += self.open_text(kind)
+        item_id, so_far = self.open[kind]
+        self.open[kind] = (item_id, so_far + text)
+        extra: Item = {"logprobs": []} if kind == "message" else {}
+        events.append(self.event(f"{_EVENTS[kind]}.delta", item_id=item_id,
+                                 output_index=self.index(item_id), content_index=0, delta=text,
+                                 **extra))  # fmt: skip
+        return events
+
+    def calls_delta(self, calls: list[Any] | None) -> list[ResponseBody]:
         events: list[ResponseBody] = []
-        if content:
-            if self.text is None:
-                events += self.open_text()
-            self.text = (self.text or "") + content
-            events.append(self.event("response.output_text.delta", item_id=self.text_id,
-                                     output_index=self.index(self.text_id), content_index=0,
-                                     delta=content, logprobs=[]))  # fmt: skip
         for call in calls or []:
             if call.id is not None:
-                events += self.close_text()
+                events += self.close_text("reasoning") + self.close_text("message")
                 item = _call_item(new_item_id("fc"), call.id, call.function.name or "", "",
                                   "in_progress")  # fmt: skip
                 self.calls[call.index] = item
@@ -215,41 +254,41 @@ class _EventStream:
     def index(self, item_id: str) -> int:
         return next(i for i, item in enumerate(self.output) if item["id"] == item_id)
 
-    def open_text(self) -> list[ResponseBody]:
-        self.text_id, self.text = new_item_id("msg"), ""
-        item = _text_item(self.text_id, "", "in_progress")
+    def open_text(self, kind: str) -> list[ResponseBody]:
+        item_id = new_item_id(_ID_PREFIX[kind])
+        self.open[kind] = (item_id, "")
+        item = _text_item(item_id, "", "in_progress", kind)
         item["content"] = []
         self.output.append(item)
         i = len(self.output) - 1
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
             self.event("response.output_item.added", output_index=i, item=dict(item)),
-            self.event("response.content_part.added", item_id=self.text_id, output_index=i,
-                       content_index=0, part=part),
+            self.event("response.content_part.added", item_id=item_id, output_index=i,
+                       content_index=0, part=_part(kind, "")),
         ]  # fmt: skip
 
-    def close_text(self) -> list[ResponseBody]:
-        if self.text is None:
+    def close_text(self, kind: str) -> list[ResponseBody]:
+        if kind not in self.open:
             return []
-        text, item_id = self.text, self.text_id
-        self.text = None
+        item_id, text = self.open.pop(kind)
         i = self.index(item_id)
-        done = _text_item(item_id, text, "completed")
+        done = _text_item(item_id, text, "completed", kind)
         self.output[i] = done
         part = done["content"][0]
+        extra: Item = {"logprobs": []} if kind == "message" else {}
         return [
-            self.event("response.output_text.done", item_id=item_id, output_index=i,
-                       content_index=0, text=text, logprobs=[]),
+            self.event(f"{_EVENTS[kind]}.done", item_id=item_id, output_index=i,
+                       content_index=0, text=text, **extra),
             self.event("response.content_part.done", item_id=item_id, output_index=i,
                        content_index=0, part=part),
             self.event("response.output_item.done", output_index=i, item=done),
         ]  # fmt: skip
 
     def close_all(self) -> list[ResponseBody]:
-        if not self.output:  # nothing generated: still one (empty) message
-            events = self.open_text()
-            return events + self.close_text()
-        events = self.close_text()
+        events = self.close_text("reasoning")
+        if not any(item["type"] != "reasoning" for item in self.output):
+            events += self.open_text("message")  # no message or call: still one (empty) message
+        events += self.close_text("message")
         for item in self.calls.values():
             item["status"] = "completed"
             i = self.index(item["id"])
@@ -258,3 +297,7 @@ class _EventStream:
                                      arguments=item["arguments"]))  # fmt: skip
             events.append(self.event("response.output_item.done", output_index=i, item=item))
         return events
+
+
+_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
+_ID_PREFIX = {"message": "msg", "reasoning": "rs"}

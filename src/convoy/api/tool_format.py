@@ -263,7 +263,7 @@ class ToolCallStream:
     def _text(self, content: list[str], deltas: list[CallDelta]) -> bool:
         start = self.text.find(OPEN, self._content_end)
         if start < 0:
-            self._send(content, len(self.text) - _marker_prefix_len(self.text))
+            self._send(content, len(self.text) - marker_prefix_len(self.text))
             return False
         self._send(content, start)
         self._pos, self._state = start + len(OPEN), "head"
@@ -318,9 +318,9 @@ _STEPS = {
 }
 
 
-def _marker_prefix_len(text: str) -> int:
-    """The length of the longest proper prefix of OPEN that `text` ends with."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
+def marker_prefix_len(text: str, marker: str = OPEN) -> int:
+    """The length of the longest proper prefix of `marker` that `text` ends with."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
             return n
     return 0

@@ -77,7 +77,10 @@ async def open_serving(settings: ServerConfig) -> AsyncIterator[InProcessServing
     try:
         await engine.start()
         client = EngineClient(
-            engine, settings.served_model_name or engine.model_name, ServingLimits.of(settings)
+            engine,
+            settings.served_model_name or engine.model_name,
+            ServingLimits.of(settings),
+            settings.reasoning_parser,
         )
         routes = {
             "/v1/completions": Route(CompletionRequest, CompletionServing(client)),

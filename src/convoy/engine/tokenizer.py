@@ -102,8 +102,11 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """`tools`: function definitions, for a template that renders them itself."""
+        """`tools`: function definitions, for a template that renders them itself;
+        `template_kwargs`: more variables for the template (e.g. enable_thinking; names of the
+        call's own arguments and special tokens are the caller's to refuse)."""
         if self.chat_template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
@@ -113,6 +116,7 @@ class Tokenizer:
                 chat_template=self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # jinja errors, raise_exception() in templates
             raise TemplateError(f"chat template failed: {e}") from e

@@ -86,7 +86,7 @@ class GrammarCompiler:
         self.num_words = (self.num_tokens + 31) // 32  # int32 words in one bitmask row
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[tuple[str, str], CompiledGrammar | str] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], CompiledGrammar | str] = OrderedDict()
         self.num_hits = 0
         self.num_misses = 0
 
@@ -114,7 +114,7 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """The spec's compiled grammar (cached); raises StructuredOutputsError naming
         `spec.param` when it does not compile."""
-        key = spec.cache_key
+        key = (*spec.cache_key, spec.think or "")
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
@@ -138,6 +138,8 @@ class GrammarCompiler:
         what = _WHAT[spec.kind]
         try:
             grammar = _grammar_text(spec)
+            if spec.think is not None:
+                grammar = after_think(grammar, spec.think)
         except Exception as e:  # noqa: BLE001 - any failure to convert a client's text is a 400
             return _message(what, str(e))
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=GRAMMAR_LIMITS)
@@ -180,6 +182,32 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         return lm.grammar_from_lark("start: " + " | ".join(literals))
     # Lark as is (a `start:` rule or `%llguidance`), else GBNF (`root ::=`) converted to Lark
     return lm.grammar_from_lark(any_to_lark(spec.cache_key[1]))
+
+
+# The think block before a reasoning model's constrained text (StructuredOutputsParams.think):
+# a grammar of its own, the constraint a second one (`@constrained`, with its own lexer, so its
+# lexemes never meet the block's). The block is a lazy lexeme: it ends at the first `</think>`;
+# one or two newlines may follow it (not more: a model must not loop on them).
+_THINK = {  # mode -> (the block's place, its lexeme)
+    "maybe": ("think?", '"<think>" TEXT "</think>"'),
+    "open": ("think", 'TEXT "</think>"'),
+}
+
+
+def after_think(grammar: str, mode: str) -> str:
+    """`grammar` (a top-level grammar's JSON text, or Lark text) after a think block: one
+    top-level grammar of the block's grammar, then `grammar`'s, the first named `constrained`."""
+    if grammar.lstrip().startswith("{"):
+        inner: list[dict[str, Any]] = json.loads(grammar)["grammars"]
+    else:
+        inner = [{"lark_grammar": grammar}]
+    inner[0] = {**inner[0], "name": "constrained"}
+    place, block = _THINK[mode]
+    lark = (
+        f"%llguidance {{}}\nstart: {place} @constrained\nthink: block NL?\n"
+        f"block[lazy]: {block}\nNL: /\\n\\n?/\nTEXT: /(.|\\n)*/\n"
+    )
+    return json.dumps({"grammars": [{"name": "think", "lark_grammar": lark}, *inner]})
 
 
 def _message(what: str, error: str) -> str:

@@ -21,6 +21,7 @@ MAX_CHOICE_CHARS = 1024  # per choice
 MAX_GRAMMAR_CHARS = 64 << 10
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+THINK_MODES = ("maybe", "open")  # see StructuredOutputsParams.think
 
 
 class StructuredOutputsError(ValueError):
@@ -47,10 +48,16 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     param: str = "structured_outputs"  # the request field it came from: what errors name
+    # A reasoning model's think block before the constrained text: None (none), "maybe" (the
+    # output may open `<think>` ... `</think>` first), "open" (it starts inside one, which
+    # `</think>` closes). The block's text is free; newlines may follow it.
+    think: str | None = None
     # (kind, canonical text): equal keys compile to the same grammar
     cache_key: tuple[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.think is not None and self.think not in THINK_MODES:
+            self._fail(f"think must be one of {', '.join(THINK_MODES)}, got {self.think!r}")
         kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             got = ", ".join(kinds) or "none"
