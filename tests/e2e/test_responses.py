@@ -162,7 +162,8 @@ def test_function_tool_round_trip(rclient: OpenAI, rserver: Server) -> None:
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # SmolLM2 does not think
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "store"),
+        ({"background": True, "stream": True}, "stream"),
         ({"include": ["file_search_call.results"]}, "include"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

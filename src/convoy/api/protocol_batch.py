@@ -8,7 +8,7 @@ from pydantic import Field, field_validator
 
 from convoy.api.protocol import OpenAIModel, RequestModel
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses")
 COMPLETION_WINDOWS = ("24h",)
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",

@@ -65,8 +65,10 @@ class ResponsesRequest(RequestModel):
                 "reasoning summaries are not supported (the reasoning item carries the text)",
                 "reasoning.summary",
             )
-        if self.background:
-            raise SamplingParamsError("background responses are not supported", "background")
+        if self.background and self.store is False:
+            raise SamplingParamsError("a background response must be stored", "store")
+        if self.background and self.stream:
+            raise SamplingParamsError("a background response cannot be streamed", "stream")
         for value in self.include or []:
             if value not in _INCLUDABLE:
                 raise SamplingParamsError(f"include value {value!r} is not supported", "include")

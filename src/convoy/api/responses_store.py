@@ -2,7 +2,10 @@
 
 A row keeps the response object and the conversation's input items (the previous response's
 items and output, then the request's own input), so `previous_response_id` continues a
-conversation after a restart too. Calls are blocking: callers run them with asyncio.to_thread.
+conversation after a restart too. A background response's row also keeps its status and the
+request that runs it, written (synchronous=FULL) before its client hears of it, so a restart
+finds every background response still queued or in progress (`unfinished`). Calls are
+blocking: callers run them with asyncio.to_thread.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
     created_at INTEGER NOT NULL,
     response TEXT NOT NULL,
-    input_items TEXT NOT NULL
+    input_items TEXT NOT NULL,
+    status TEXT,
+    request TEXT
 );
 """
+_UNFINISHED = ("queued", "in_progress")
 
 
 @dataclass(slots=True)
@@ -42,18 +48,37 @@ class ResponseStore:
             root / "responses.db", check_same_thread=False, isolation_level=None
         )
         self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.executescript(_SCHEMA)
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(responses)")}
+        for name in ("status", "request"):  # a store written before background responses
+            if name not in columns:
+                self._conn.execute(f"ALTER TABLE responses ADD COLUMN {name} TEXT")
         self._mutex = threading.Lock()
 
     def close(self) -> None:
         with self._mutex:
             self._conn.close()
 
-    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
+    def put(
+        self, response: dict[str, Any], input_items: list[dict[str, Any]],
+        request: str | None = None,
+    ) -> None:  # fmt: skip
+        """Write a response; `request`: a background one's request JSON (kept while it runs)."""
         row = (response["id"], int(response["created_at"]), json.dumps(response),
-               json.dumps(input_items))  # fmt: skip
+               json.dumps(input_items), response.get("status"), request)  # fmt: skip
         with self._mutex:
-            self._conn.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?)", row)
+            self._conn.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
+
+    def unfinished(self) -> list[tuple[StoredResponse, str]]:
+        """Background responses still queued or in progress, oldest first, with their requests."""
+        with self._mutex:
+            rows = self._conn.execute(
+                "SELECT response, input_items, request FROM responses WHERE request IS NOT NULL"
+                " AND status IN (?, ?) ORDER BY created_at",
+                _UNFINISHED,
+            ).fetchall()
+        return [(StoredResponse(json.loads(r[0]), json.loads(r[1])), r[2]) for r in rows]
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._mutex:

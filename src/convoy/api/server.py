@@ -122,6 +122,7 @@ def _lifespan(
         db = app.state.batch_db  # responses.db beside it, in the folder this process holds
         store = ResponseStore(db.root) if db is not None else None
         app.state.responses = ResponsesServing(app.state.chat, store)
+        await app.state.responses.background.resume()  # what a stopped server left unfinished
         start_batches(
             app, settings, batch_metrics, local_routes(app.state), name, lines_in_flight(settings)
         )
@@ -132,6 +133,7 @@ def _lifespan(
         finally:
             if app.state.batch_runner is not None:
                 await app.state.batch_runner.stop()  # finished lines committed, the rest resume
+            await app.state.responses.background.stop()  # unfinished ones resume at next start
             logger.info("shutting down the engine")
             await engine.shutdown()
             if app.state.batch_db is not None:
@@ -219,6 +221,7 @@ def build_batch_app(
         finally:
             if app.state.batch_runner is not None:
                 await app.state.batch_runner.stop()  # finished lines committed, the rest resume
+            await app.state.responses.background.stop()  # unfinished ones resume at next start
             if app.state.batch_db is not None:
                 app.state.batch_db.close()
 

@@ -86,6 +86,18 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         `priority`: BATCH for Batch API lines (scheduled after interactive work, outside the
         queue bound).
         """
+        job, engine_requests = await self.prepare(request, record, body_size, priority)
+        return await self.run(job, engine_requests)
+
+    async def prepare(
+        self,
+        request: RequestT,
+        record: RequestRecord | None,
+        body_size: int | None,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> tuple[Job[RequestT], list[EngineRequest]]:
+        """Every check `create` makes (the 400s), before any work is queued: the job and its
+        engine requests, for `run` now or later (a background response)."""
         self.client.engine.check_available()  # a dead engine: 503 now, not inside a 200 stream
         self.client.check_model(request.model)
         request.check()
@@ -103,8 +115,14 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         )  # fmt: skip
         record.api_id, record.num_prompts = api_id, len(prompts)
         record.num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        outputs = self.client.generate(engine_requests, record)
-        if request.stream:  # the caller owns (and must close) the chunks, and so the outputs
+        return job, engine_requests
+
+    async def run(
+        self, job: Job[RequestT], engine_requests: list[EngineRequest]
+    ) -> ResponseT | AsyncGenerator[ChunkT, None]:
+        """A prepared job in the engine: its response, or (stream: true) its chunks."""
+        outputs = self.client.generate(engine_requests, job.record)
+        if job.request.stream:  # the caller owns (and must close) the chunks, and so the outputs
             return ClosingGenerator(self.stream(job, outputs), outputs.aclose)
         async with aclosing(outputs):
             return await self.collect(job, outputs)

@@ -16,76 +16,36 @@ from typing import Any
 from pydantic import ValidationError
 
 from convoy.api.engine_client import ClosingGenerator
-from convoy.api.errors import APIError, from_exception
+from convoy.api.errors import from_exception
 from convoy.api.metrics import RequestRecord
-from convoy.api.protocol import ChatCompletionChunk, ChatCompletionResponse, UsageInfo
+from convoy.api.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    UsageInfo,
+)
 from convoy.api.protocol_responses import Item, ResponseBody, ResponsesRequest, new_item_id
 from convoy.api.reasoning import is_thinking_template
+from convoy.api.responses_background import BackgroundResponses
+from convoy.api.responses_items import (
+    call_item,
+    completed,
+    finish_response,
+    not_found,
+    part,
+    responses_params,
+    text_item,
+)
 from convoy.api.responses_store import ResponseStore, StoredResponse
 from convoy.api.serving_chat import ChatServing
+from convoy.engine.request import Priority
 from convoy.sampling_params import SamplingParamsError
-from convoy.structured.params import StructuredOutputsError
-
-# Chat's fields, as the Responses request names them (400s name the field the client sent).
-_CHAT_PARAMS = {
-    "messages": "input",
-    "response_format": "text.format",
-    "max_completion_tokens": "max_output_tokens",
-}
-
-
-def not_found(response_id: str, param: str = "response_id") -> APIError:
-    return APIError(404, f"no response with id {response_id!r}", param=param)
-
-
-def _usage(u: UsageInfo | None) -> Item | None:
-    if u is None:
-        return None
-    details = u.completion_tokens_details
-    return {
-        "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": details.reasoning_tokens if details else 0},
-        "total_tokens": u.total_tokens,
-    }
-
-
-def _part(kind: str, text: str) -> Item:
-    """A message's output_text part, or a reasoning item's reasoning_text part."""
-    if kind == "message":
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    return {"type": "reasoning_text", "text": text}
-
-
-def _text_item(item_id: str, text: str, status: str, kind: str = "message") -> Item:
-    """A message item, or (kind `reasoning`) a reasoning item: no summary, the text whole."""
-    if kind == "reasoning":
-        return {"id": item_id, "type": "reasoning", "summary": [],
-                "content": [_part(kind, text)], "status": status}  # fmt: skip
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [_part(kind, text)]}  # fmt: skip
-
-
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Item:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}  # fmt: skip
-
-
-def _finish(response: Item, finish: str | None, usage: UsageInfo | None) -> Item:
-    if finish == "length":
-        response["status"] = "incomplete"
-        response["incomplete_details"] = {"reason": "max_output_tokens"}
-    else:
-        response["status"] = "completed"
-        response["completed_at"] = int(time.time())
-    response["usage"] = _usage(usage)
-    return response
 
 
 class ResponsesServing:
     def __init__(self, chat: ChatServing, store: ResponseStore | None) -> None:
         self.chat, self.store = chat, store
+        self.background = BackgroundResponses(chat, store, self.to_chat)
 
     async def load(self, response_id: str, param: str = "response_id") -> StoredResponse:
         stored = (
@@ -96,50 +56,55 @@ class ResponsesServing:
         return stored
 
     async def create(
-        self, request: ResponsesRequest, record: RequestRecord | None, size: int | None
+        self,
+        request: ResponsesRequest,
+        record: RequestRecord | None = None,
+        size: int | None = None,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> ResponseBody | AsyncGenerator[ResponseBody, None]:
+        """The response (or its events); `background: true` answers at once with the stored,
+        queued response, run by `self.background` in the batch priority class."""
         request.check_supported()
-        thinking = self._thinking(request)
+        if request.background and priority == Priority.BATCH:
+            raise SamplingParamsError("a batch line cannot start a background response",
+                                      "background")  # fmt: skip
         items = request.input_items()
         if request.previous_response_id:
             previous = await self.load(request.previous_response_id, "previous_response_id")
             items = previous.conversation + items
-        try:
-            chat = request.to_chat(items, thinking)
-        except ValidationError as e:
-            err = e.errors(include_url=False)[0]
-            raise SamplingParamsError(f"{err['msg']} at {err['loc']}", "input") from None
-        response: Item = {
-            "id": new_item_id("resp"), "object": "response", "created_at": int(time.time()),
-            "status": "in_progress", "error": None, "incomplete_details": None,
-            "model": self.chat.client.served_model_name, "output": [], "usage": None,
-            **request.echo(),
-        }  # fmt: skip
-        try:
-            result = await self.chat.create(chat, record, size)
-        except (SamplingParamsError, StructuredOutputsError) as e:
-            e.param = _CHAT_PARAMS.get(e.param, e.param)  # the Responses field it came from
-            raise
+        chat = self.to_chat(request, items)
+        response = self.new_response(request)
+        if request.background:
+            return await self.background.submit(request, response, items, chat, record)
+        with responses_params():
+            result = await self.chat.create(chat, record, size, priority=priority)
         if isinstance(result, ChatCompletionResponse):
-            choice = result.choices[0]
-            message = choice.message
-            output: list[Item] = []
-            if message.reasoning_content is not None:
-                output.append(_text_item(new_item_id("rs"), message.reasoning_content,
-                                         "completed", "reasoning"))  # fmt: skip
-            if message.content or not message.tool_calls:
-                output.append(_text_item(new_item_id("msg"), message.content or "", "completed"))
-            for call in message.tool_calls or []:
-                output.append(_call_item(new_item_id("fc"), call.id, call.function.name,
-                                         call.function.arguments, "completed"))  # fmt: skip
-            response["output"] = output
-            _finish(response, choice.finish_reason, result.usage)
+            completed(response, result)
             await self._save(request, response, items)
             return ResponseBody(**response)
         # closing the events closes the chat chunks (and so aborts the engine requests) even
         # when the client left before the first event
         return ClosingGenerator(_EventStream(self, request, response, items).run(result),
                                 result.aclose)  # fmt: skip
+
+    def to_chat(self, request: ResponsesRequest, items: list[Item]) -> ChatCompletionRequest:
+        """The chat request that runs `request` over the conversation `items` (400s name the
+        Responses field)."""
+        thinking = self._thinking(request)
+        try:
+            return request.to_chat(items, thinking)
+        except ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            raise SamplingParamsError(f"{err['msg']} at {err['loc']}", "input") from None
+
+    def new_response(self, request: ResponsesRequest) -> Item:
+        return {
+            "id": new_item_id("resp"), "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "error": None, "incomplete_details": None,
+            "model": self.chat.client.served_model_name, "output": [], "usage": None,
+            **request.echo(),
+        }  # fmt: skip
 
     def _thinking(self, request: ResponsesRequest) -> bool | None:
         """`reasoning.effort` as a thinking model's enable_thinking (None: not set); 400 for a
@@ -206,7 +171,7 @@ class _EventStream:
         for ev in self.close_all():
             yield ev
         self.response["output"] = self.output
-        _finish(self.response, finish, usage)
+        finish_response(self.response, finish, usage)
         await self.serving._save(self.request, self.response, self.items)
         kind = "response.incomplete" if finish == "length" else "response.completed"
         yield self.event(kind, response=self.response)
@@ -232,7 +197,7 @@ class _EventStream:
         for call in calls or []:
             if call.id is not None:
                 events += self.close_text("reasoning") + self.close_text("message")
-                item = _call_item(new_item_id("fc"), call.id, call.function.name or "", "",
+                item = call_item(new_item_id("fc"), call.id, call.function.name or "", "",
                                   "in_progress")  # fmt: skip
                 self.calls[call.index] = item
                 self.output.append(item)
@@ -257,14 +222,14 @@ class _EventStream:
     def open_text(self, kind: str) -> list[ResponseBody]:
         item_id = new_item_id(_ID_PREFIX[kind])
         self.open[kind] = (item_id, "")
-        item = _text_item(item_id, "", "in_progress", kind)
+        item = text_item(item_id, "", "in_progress", kind)
         item["content"] = []
         self.output.append(item)
         i = len(self.output) - 1
         return [
             self.event("response.output_item.added", output_index=i, item=dict(item)),
             self.event("response.content_part.added", item_id=item_id, output_index=i,
-                       content_index=0, part=_part(kind, "")),
+                       content_index=0, part=part(kind, "")),
         ]  # fmt: skip
 
     def close_text(self, kind: str) -> list[ResponseBody]:
@@ -272,7 +237,7 @@ class _EventStream:
             return []
         item_id, text = self.open.pop(kind)
         i = self.index(item_id)
-        done = _text_item(item_id, text, "completed", kind)
+        done = text_item(item_id, text, "completed", kind)
         self.output[i] = done
         part = done["content"][0]
         extra: Item = {"logprobs": []} if kind == "message" else {}

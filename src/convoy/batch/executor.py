@@ -24,13 +24,13 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from convoy.api.errors import from_exception, validation_error
-from convoy.api.serving_base import ServingBase, off_loop
+from convoy.api.serving_base import off_loop
 from convoy.batch.lines import InputLine, LineError
 from convoy.engine.errors import EngineUnavailableError
 from convoy.engine.request import Priority
@@ -67,12 +67,18 @@ Ledger = Callable[[list[LineResult]], Awaitable[None]]  # make a group of result
 LineRunner = Callable[[InputLine], Awaitable[LineResult]]
 
 
+class Serving(Protocol):
+    """What a batch line runs on: a serving object's `create` (ServingBase, ResponsesServing)."""
+
+    async def create(self, request: Any, *, priority: Priority) -> Any: ...
+
+
 @dataclass(slots=True)
 class Route:
     """One endpoint a batch may name: its request model and serving object."""
 
     request_type: type[BaseModel]
-    serving: ServingBase[Any, Any, Any]
+    serving: Serving
 
 
 def response_line(custom_id: str | None, status: int, body_json: str) -> str:
@@ -238,12 +244,20 @@ async def run_line(route: Route, line: InputLine) -> LineResult:
         raise
     except Exception as e:  # noqa: BLE001 - the line's own error, as HTTP would answer it
         return failed_result(line, e)
-    usage = getattr(response, "usage", None)
+    tokens_in, tokens_out = _usage(getattr(response, "usage", None))
     return LineResult(
         line.index, line.custom_id, True,
         response_line(line.custom_id, 200, response.model_dump_json()),
-        getattr(usage, "prompt_tokens", 0), getattr(usage, "completion_tokens", 0),
+        tokens_in, tokens_out,
     )  # fmt: skip
+
+
+def _usage(usage: Any) -> tuple[int, int]:
+    """(input, output) tokens of a response's usage: chat's and completions' model, embeddings'
+    (no output), or a Responses object's dict."""
+    if isinstance(usage, dict):
+        return int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
+    return getattr(usage, "prompt_tokens", 0), getattr(usage, "completion_tokens", 0)
 
 
 def unavailable_result(line: InputLine, message: str) -> LineResult:

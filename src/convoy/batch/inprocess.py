@@ -17,9 +17,11 @@ from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.protocol import ChatCompletionRequest, CompletionRequest
 from convoy.api.protocol_batch import ENDPOINTS
 from convoy.api.protocol_embeddings import EmbeddingRequest
+from convoy.api.protocol_responses import ResponsesRequest
 from convoy.api.serving_chat import ChatServing
 from convoy.api.serving_completion import CompletionServing
 from convoy.api.serving_embedding import EmbeddingServing
+from convoy.api.serving_responses import ResponsesServing
 from convoy.batch.executor import BatchExecutor, Ledger, LineResult, Route
 from convoy.batch.lines import InputLine
 from convoy.batch.offline_state import JobError
@@ -82,10 +84,12 @@ async def open_serving(settings: ServerConfig) -> AsyncIterator[InProcessServing
             ServingLimits.of(settings),
             settings.reasoning_parser,
         )
+        chat = ChatServing(client)
         routes = {
             "/v1/completions": Route(CompletionRequest, CompletionServing(client)),
-            "/v1/chat/completions": Route(ChatCompletionRequest, ChatServing(client)),
+            "/v1/chat/completions": Route(ChatCompletionRequest, chat),
             "/v1/embeddings": Route(EmbeddingRequest, EmbeddingServing(client)),
+            "/v1/responses": Route(ResponsesRequest, ResponsesServing(chat, None)),
         }
         yield InProcessServing(
             client.served_model_name, routes, WINDOW_PER_SEQ * scheduler.max_num_seqs

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from convoy.api.protocol import ChatCompletionRequest, CompletionRequest
 from convoy.api.protocol_embeddings import EmbeddingRequest
+from convoy.api.protocol_responses import ResponsesRequest
 from convoy.batch.db import BatchDB
 from convoy.batch.executor import BatchExecutor, LineResult, LineRunner, Route, run_line
 from convoy.batch.lines import InputLine
@@ -61,6 +62,7 @@ def local_routes(state: Any) -> dict[str, Route]:
         "/v1/completions": Route(CompletionRequest, state.completions),
         "/v1/chat/completions": Route(ChatCompletionRequest, state.chat),
         "/v1/embeddings": Route(EmbeddingRequest, state.embeddings),
+        "/v1/responses": Route(ResponsesRequest, state.responses),
     }
 
 

@@ -1,4 +1,5 @@
-"""/v1/responses routes: create (JSON, or typed SSE events), retrieve, delete, input_items.
+"""/v1/responses routes: create (JSON, or typed SSE events), retrieve, cancel (a background
+response), delete, input_items.
 
 The store's calls run in worker threads (asyncio.to_thread), as the Batch API's do.
 """
@@ -65,9 +66,15 @@ def add_response_routes(app: FastAPI) -> None:
         stored = await serving().load(response_id)
         return Response(json.dumps(stored.response), media_type="application/json")
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        response = await serving().background.cancel(response_id)
+        return Response(json.dumps(response), media_type="application/json")
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, object]:
         store = serving().store
+        await serving().background.stop_one(response_id)  # a running one stops first
         if store is None or not await asyncio.to_thread(store.delete, response_id):
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}

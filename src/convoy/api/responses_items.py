@@ -1,0 +1,100 @@
+"""The pieces of a response object: output items, content parts, usage, a finished chat
+completion recast as output (serving_responses.py, responses_background.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+from convoy.api.errors import APIError
+from convoy.api.protocol import ChatCompletionResponse, UsageInfo
+from convoy.api.protocol_responses import Item, new_item_id
+from convoy.sampling_params import SamplingParamsError
+from convoy.structured.params import StructuredOutputsError
+
+# Chat's fields, as the Responses request names them (400s name the field the client sent).
+_CHAT_PARAMS = {
+    "messages": "input",
+    "response_format": "text.format",
+    "max_completion_tokens": "max_output_tokens",
+}
+
+
+def not_found(response_id: str, param: str = "response_id") -> APIError:
+    return APIError(404, f"no response with id {response_id!r}", param=param)
+
+
+def usage_item(u: UsageInfo | None) -> Item | None:
+    if u is None:
+        return None
+    details = u.completion_tokens_details
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": details.reasoning_tokens if details else 0},
+        "total_tokens": u.total_tokens,
+    }
+
+
+def part(kind: str, text: str) -> Item:
+    """A message's output_text part, or a reasoning item's reasoning_text part."""
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
+
+
+def text_item(item_id: str, text: str, status: str, kind: str = "message") -> Item:
+    """A message item, or (kind `reasoning`) a reasoning item: no summary, the text whole."""
+    if kind == "reasoning":
+        return {"id": item_id, "type": "reasoning", "summary": [],
+                "content": [part(kind, text)], "status": status}  # fmt: skip
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [part(kind, text)]}  # fmt: skip
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Item:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+def finish_response(response: Item, reason: str | None, usage: UsageInfo | None) -> Item:
+    """The response's status (incomplete when cut by max_output_tokens) and usage."""
+    if reason == "length":
+        response["status"] = "incomplete"
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+    else:
+        response["status"] = "completed"
+        response["completed_at"] = int(time.time())
+    response["usage"] = usage_item(usage)
+    return response
+
+
+@contextlib.contextmanager
+def responses_params() -> Iterator[None]:
+    """Chat's 400s renamed to the Responses field they came from."""
+    try:
+        yield
+    except (SamplingParamsError, StructuredOutputsError) as e:
+        e.param = _CHAT_PARAMS.get(e.param, e.param)
+        raise
+
+
+def completed(response: Item, result: ChatCompletionResponse) -> Item:
+    """A finished chat completion as the response's output items, status and usage."""
+    choice = result.choices[0]
+    message = choice.message
+    output: list[Item] = []
+    if message.reasoning_content is not None:
+        output.append(text_item(new_item_id("rs"), message.reasoning_content,
+                                "completed", "reasoning"))  # fmt: skip
+    if message.content or not message.tool_calls:
+        output.append(text_item(new_item_id("msg"), message.content or "", "completed"))
+    for call in message.tool_calls or []:
+        output.append(call_item(new_item_id("fc"), call.id, call.function.name,
+                                call.function.arguments, "completed"))  # fmt: skip
+    response["output"] = output
+    return finish_response(response, choice.finish_reason, result.usage)
+
+
