@@ -52,7 +52,7 @@ def write_input(path: Path) -> list[str]:
             lines.append(_line(f"h{k}", "/v1/chat/completions", messages=messages))
     lines.insert(40, "not JSON")  # unreadable: custom_id null
     lines.insert(60, _line("c1", "/v1/completions", prompt="x"))  # a duplicate: custom_id null
-    lines.append(_line("emb", "/v1/embeddings", input="x"))  # an unknown url
+    lines.append(_line("emb", "/v1/moderations", input="x"))  # an unknown url
     path.write_text("\n".join(lines) + "\n")
     return [f"{'h' if k % 3 == 0 else 'c'}{k}" for k in range(NUM_GOOD)]
 

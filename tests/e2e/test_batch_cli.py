@@ -80,7 +80,7 @@ def test_mixed_file_answers_every_line_once(tmp_path: Path, client: OpenAI) -> N
         completion("c0", "a duplicate custom_id"),  # 12
         completion("neg", "x", max_tokens=-1),  # 13: the serving code answers 400
         {**completion("get", "x"), "method": "GET"},  # 14
-        request("emb", "/v1/embeddings", input="x"),  # 15
+        request("emb", "/v1/moderations", input="x"),  # 15
         request("stream", "/v1/completions", prompt="x", stream=True),  # 16
         completion("long", "y" * MAX_LINE_BYTES),  # 17
     ]

@@ -130,7 +130,7 @@ def test_invalid_file_fails_naming_the_line(
 def test_create_rejects_bad_requests(client: OpenAI) -> None:
     file = client.files.create(file=("in.jsonl", jsonl([completion_line(0)])), purpose="batch")
     cases = [
-        ({"endpoint": "/v1/embeddings"}, 400, "endpoint"),
+        ({"endpoint": "/v1/moderations"}, 400, "endpoint"),
         ({"completion_window": "1h"}, 400, "completion_window"),
         ({"input_file_id": "file-missing"}, 404, "input_file_id"),
     ]

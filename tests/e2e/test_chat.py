@@ -63,3 +63,24 @@ def test_chat_logprobs_shape(client: OpenAI) -> None:
         assert entry.bytes == list(entry.token.encode())
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)  # greedy
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client: OpenAI) -> None:
+    """prompt_tokens_details.cached_tokens, as OpenAI reports it: 0 for a prompt never seen,
+    whole blocks of it the second time (the last token is always computed)."""
+    import uuid
+
+    system = f"Session {uuid.uuid4().hex}. " + "You answer briefly and politely. " * 8
+    messages = [{"role": "system", "content": system}, MESSAGES[1]]
+    first = chat(client, messages, max_tokens=2).usage  # type: ignore[attr-defined]
+    again = chat(client, messages, max_tokens=2).usage  # type: ignore[attr-defined]
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = again.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and again.prompt_tokens - 16 <= cached < again.prompt_tokens
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    usage = [c.usage for c in stream if c.usage is not None][-1]
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == cached

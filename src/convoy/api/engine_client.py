@@ -267,6 +267,8 @@ class EngineClient:
                 first_token = item.metrics.get("first_token")
                 if first_token is not None:
                     record.mark_first_token(first_token)
+                if item.finished:  # once per prompt, as usage counts prompts
+                    record.num_cached_tokens += item.num_cached_tokens
                 yield i, item
         finally:
             # NOTE: cancelling a pump closes its engine generator, which aborts the request.

@@ -33,6 +33,7 @@ class RequestRecord:
     num_prompts: int = 0
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     first_token_time: float | None = None
 
     def mark_first_token(self, when: float) -> None:
@@ -46,6 +47,7 @@ class RequestRecord:
         return (
             f" id={self.api_id} prompts={self.num_prompts} prompt_tokens={self.num_prompt_tokens}"
             f" completion_tokens={self.num_completion_tokens}"
+            f" cached_tokens={self.num_cached_tokens}"
         )
 
 

@@ -103,10 +103,15 @@ class CompletionTokensDetails(OpenAIModel):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # served from the prefix cache
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = Field(default=None, exclude_if=is_none)
     # a reasoning model's chat usage only
     completion_tokens_details: CompletionTokensDetails | None = Field(
         default=None, exclude_if=is_none
@@ -118,15 +123,20 @@ class UsageInfo(OpenAIModel):
         num_prompt_tokens: int,
         num_completion_tokens: int,
         num_reasoning_tokens: int | None = None,
+        num_cached_tokens: int | None = None,
     ) -> UsageInfo:
         total = num_prompt_tokens + num_completion_tokens
         details = None
         if num_reasoning_tokens is not None:
             details = CompletionTokensDetails(reasoning_tokens=num_reasoning_tokens)
+        cached = None
+        if num_cached_tokens is not None:
+            cached = PromptTokensDetails(cached_tokens=num_cached_tokens)
         return cls(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=total,
+            prompt_tokens_details=cached,
             completion_tokens_details=details,
         )
 

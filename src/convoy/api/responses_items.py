@@ -31,7 +31,10 @@ def usage_item(u: UsageInfo | None) -> Item | None:
     details = u.completion_tokens_details
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0,
+            "cache_write_tokens": 0,
+        },
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": details.reasoning_tokens if details else 0},
         "total_tokens": u.total_tokens,

@@ -221,7 +221,6 @@ def build_batch_app(
         finally:
             if app.state.batch_runner is not None:
                 await app.state.batch_runner.stop()  # finished lines committed, the rest resume
-            await app.state.responses.background.stop()  # unfinished ones resume at next start
             if app.state.batch_db is not None:
                 app.state.batch_db.close()
 

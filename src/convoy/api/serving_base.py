@@ -166,10 +166,15 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
     def usage(
         self, job: Job[RequestT], num_completion_tokens: int, num_reasoning: int | None = None
     ) -> UsageInfo:
-        """Usage counts each prompt once and every generated token (best_of candidates too);
+        """Usage counts each prompt once and every generated token (best_of candidates too),
+        and the prompt tokens the prefix cache served (`prompt_tokens_details.cached_tokens`);
         `num_reasoning`: a reasoning model's think-block tokens (chat)."""
-        job.record.num_completion_tokens = num_completion_tokens
-        return UsageInfo.of(job.record.num_prompt_tokens, num_completion_tokens, num_reasoning)
+        record = job.record
+        record.num_completion_tokens = num_completion_tokens
+        return UsageInfo.of(
+            record.num_prompt_tokens, num_completion_tokens, num_reasoning,
+            record.num_cached_tokens,
+        )  # fmt: skip
 
     def usage_chunk(
         self, job: Job[RequestT], num_completion_tokens: int, num_reasoning: int | None = None
