@@ -42,3 +42,25 @@ def test_default_server_runs_quantized_and_answers(default_server: Server) -> No
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_embeddings_in_the_quantized_default(default_server: Server, client: OpenAI) -> None:
+    """/v1/embeddings on quantized weights: a text's vector alone and inside a batch beside
+    other inputs agree, and point where the exact mode's (the session's fp32 server) do."""
+    import numpy as np
+
+    quantized = OpenAI(base_url=f"{default_server.base_url}/v1", api_key=API_KEY, max_retries=0)
+    texts = ["The capital of France is Paris.", "def add(a, b): return a + b", "Good morning"]
+    fillers = [f"Another sentence, number {i}, about the weather." for i in range(13)]
+
+    def vectors(c: OpenAI, inputs: list[str]) -> list[np.ndarray]:
+        out = c.embeddings.create(model=MODEL, input=inputs)
+        return [np.asarray(d.embedding, dtype=np.float64) for d in out.data]
+
+    alone = [vectors(quantized, [t])[0] for t in texts]
+    batched = vectors(quantized, texts + fillers)
+    exact = vectors(client, texts)
+    for a, b, e in zip(alone, batched, exact, strict=False):
+        assert abs(np.linalg.norm(a) - 1) < 1e-5
+        np.testing.assert_allclose(b, a, atol=1e-4)
+        assert float(a @ e) > 0.97  # cosine: unit vectors

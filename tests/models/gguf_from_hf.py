@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,15 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: Any, arch: str, path: Path, qtype: GGMLQuantizationType) -> None:
+def write_gguf(
+    model: Any, arch: str, path: Path, qtype: GGMLQuantizationType,
+    metadata: Callable[[GGUFWriter], None] | None = None,
+) -> None:  # fmt: skip
+    """`model` as a GGUF of `arch` in `qtype`; `metadata` adds keys of its own."""
     cfg = model.config
     w = GGUFWriter(str(path), arch)
+    if metadata is not None:
+        metadata(w)
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     w.add_embedding_length(cfg.hidden_size)
