@@ -175,6 +175,11 @@ def test_function_tool_round_trip(rclient: OpenAI, rserver: Server) -> None:
             "text.format",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"input": [{"type": "bogus"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": "hi", "id": 5}]}, "input[0].id"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+        ({"input": [{"role": "user", "content": "hi there"}] * 20000}, "input"),  # past the context
+        ({"input": 5}, "input"),
     ],
 )
 def test_unsupported_fields(rserver: Server, extra: dict[str, object], param: str) -> None:
@@ -182,6 +187,16 @@ def test_unsupported_fields(rserver: Server, extra: dict[str, object], param: st
     r = httpx.post(f"{rserver.base_url}/v1/responses", json=body, headers=rserver.headers)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_deleted_previous_response_is_a_404(rclient: OpenAI) -> None:
+    first = rclient.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert rclient.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError) as err:
+        rclient.responses.create(model=MODEL, input="And?", previous_response_id=first.id)
+    assert err.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        rclient.responses.retrieve(first.id)
 
 
 def test_stream_function_call(rclient: OpenAI) -> None:

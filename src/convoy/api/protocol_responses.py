@@ -149,6 +149,9 @@ def _message_item(role: str, text: str) -> Item:
 
 def _normalise(index: int, item: Item) -> Item:
     param = f"input[{index}]"
+    item_id = item.get("id")
+    if item_id is not None and not (isinstance(item_id, str) and 0 < len(item_id) <= 256):
+        raise SamplingParamsError("an item id is a string of 1 to 256 characters", f"{param}.id")
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")

@@ -82,6 +82,10 @@ def responses_params() -> Iterator[None]:
     except (SamplingParamsError, StructuredOutputsError) as e:
         e.param = _CHAT_PARAMS.get(e.param, e.param)
         raise
+    except APIError as e:  # e.g. a conversation past the context
+        if e.param is not None:
+            e.param = _CHAT_PARAMS.get(e.param, e.param)
+        raise
 
 
 def completed(response: Item, result: ChatCompletionResponse) -> Item:
