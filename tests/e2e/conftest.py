@@ -121,6 +121,16 @@ def stop_server(server: Server) -> None:
         server.proc.wait()
 
 
+@contextlib.contextmanager
+def running_server(serve_args: list[str], log_dir: Path) -> Iterator[Server]:
+    """A server (`start_server`) for the block, stopped after it (a module fixture's body)."""
+    server = start_server(serve_args, log_dir)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args = [

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import httpx
 from openai.types import Completion
@@ -74,3 +75,17 @@ def error_object(response: httpx.Response, status: int) -> dict[str, Any]:
     assert list(error) == ["message", "type", "param", "code"]
     assert isinstance(error["message"], str) and error["message"]
     return error
+
+
+T = TypeVar("T")
+
+
+def poll(fetch: Callable[[], T], is_done: Callable[[T], bool], what: str, timeout_s: float) -> T:
+    """`fetch()` again until `is_done` says so; fails naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fetch()
+        if is_done(value):
+            return value
+        assert time.monotonic() < deadline, f"{what}: still {value!r:.300} after {timeout_s} s"
+        time.sleep(0.1)  # polling interval, not synchronisation

@@ -14,7 +14,7 @@ from openai import OpenAI
 from openai.types import Batch
 
 from tests.e2e.conftest import Server
-from tests.e2e.helpers import MODEL, PROMPTS
+from tests.e2e.helpers import MODEL, PROMPTS, poll
 
 DONE = ("completed", "failed", "expired", "cancelled")
 
@@ -49,13 +49,8 @@ def submit(client: OpenAI, lines: list[Any], endpoint: str = "/v1/completions") 
 def wait(
     client: OpenAI, batch_id: str, statuses: tuple[str, ...] = DONE, timeout_s: float = 120
 ) -> Batch:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in statuses:
-            return batch
-        assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
-        time.sleep(0.1)  # polling interval
+    return poll(lambda: client.batches.retrieve(batch_id), lambda b: b.status in statuses,
+                f"batch {batch_id}", timeout_s)  # fmt: skip
 
 
 def results(client: OpenAI, file_id: str | None) -> dict[str, dict[str, Any]]:

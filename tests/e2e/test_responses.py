@@ -16,7 +16,7 @@ from openai import OpenAI
 from openai.types.responses import Response
 from pydantic import BaseModel
 
-from tests.e2e.conftest import Server, start_server, stop_server
+from tests.e2e.conftest import Server, running_server, start_server, stop_server
 from tests.e2e.helpers import API_KEY, MODEL
 
 ARGS = [MODEL, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "128MiB"]
@@ -41,11 +41,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def rserver(data_dir: Path) -> Iterator[Server]:
-    server = start_server(ARGS, data_dir)
-    try:
+    with running_server(ARGS, data_dir) as server:
         yield server
-    finally:
-        stop_server(server)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ blocks given back); one survives a kill -9 (resumed once at the next start, neve
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +14,8 @@ import pytest
 from openai import OpenAI
 from openai.types.responses import Response
 
-from tests.e2e.conftest import Server, start_server, stop_server
-from tests.e2e.helpers import API_KEY, MODEL
+from tests.e2e.conftest import Server, running_server, start_server, stop_server
+from tests.e2e.helpers import API_KEY, MODEL, poll
 from tests.e2e.test_batches import results, submit, wait
 
 ARGS = [MODEL, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "128MiB"]
@@ -32,11 +31,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def bserver(data_dir: Path) -> Iterator[Server]:
-    server = start_server(ARGS, data_dir)
-    try:
+    with running_server(ARGS, data_dir) as server:
         yield server
-    finally:
-        stop_server(server)
 
 
 def _client(server: Server) -> OpenAI:
@@ -44,13 +40,8 @@ def _client(server: Server) -> OpenAI:
 
 
 def _until(client: OpenAI, rid: str, statuses: tuple[str, ...], timeout_s: float = 180) -> Response:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        r = client.responses.retrieve(rid)
-        if r.status in statuses:
-            return r
-        assert time.monotonic() < deadline, f"response stuck in {r.status}"
-        time.sleep(0.1)  # polling interval
+    return poll(lambda: client.responses.retrieve(rid), lambda r: r.status in statuses,
+                f"response {rid}", timeout_s)  # fmt: skip
 
 
 def test_background_ends_as_the_foreground_request(bserver: Server) -> None:
