@@ -1,7 +1,8 @@
 """Schemathesis against a real server: a seeded run of 250+ cases generated from /openapi.json
 (valid and invalid bodies for the generation routes, /v1/responses among them, and the
 tokenizer's). No case may get a 5xx, a non-OpenAI error, a broken stream or no answer; afterwards
-the server serves a normal request and every KV block is free. bench/fuzz.py runs the same for 10,000+ cases."""
+the server serves a normal request and every KV block is free. bench/fuzz.py runs the same for 10,000+ cases.
+On the same short-context server: a previous_response_id chain ends in a 400 naming input."""
 
 from __future__ import annotations
 
@@ -36,3 +37,26 @@ def test_fuzzed_requests_never_break_the_server(fuzz_server: Server) -> None:
     check_after_fuzzing(fuzz_server.base_url, fuzz_server.headers)
     fuzz_server.wait_for_metric("convoy_kv_blocks_used", 0)
     fuzz_server.wait_for_metric("convoy_engine_requests_in_flight", 0)
+
+
+def test_a_chain_of_responses_ends_at_the_context(fuzz_server: Server) -> None:
+    """previous_response_id chains (up to 10,000 links tried) grow the conversation until it no
+    longer fits the context (48 tokens here): then a 400 naming input, the chain intact."""
+    import httpx
+
+    url = f"{fuzz_server.base_url}/v1/responses"
+    body: dict[str, object] = {"input": "ok", "max_output_tokens": 1, "temperature": 0}
+    ids: list[str] = []
+    with httpx.Client(headers=fuzz_server.headers, timeout=60) as http:
+        for _ in range(10_000):
+            r = http.post(url, json={**body, **({"previous_response_id": ids[-1]} if ids else {})})
+            if r.status_code != 200:
+                break
+            ids.append(r.json()["id"])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert 1 <= len(ids) < 10_000
+        last = http.get(f"{url}/{ids[-1]}").json()
+        assert last["id"] == ids[-1] and last["status"] in ("completed", "incomplete")
+        huge = http.post(url, json={**body, "input": [{"role": "user", "content": "x"}] * 5000})
+        assert huge.status_code == 400 and huge.json()["error"]["param"] == "input"
+    fuzz_server.wait_for_metric("convoy_kv_blocks_used", 0)
