@@ -1,4 +1,5 @@
-"""Prepacked oneDNN linears: same results as nn.Linear, every linear of a model replaced."""
+"""Prepacked oneDNN linears: same results as nn.Linear, every linear of a model replaced, run at
+a bounded set of row counts (issue #29)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from convoy.kernels.linear import PackedLinear, onednn_linear_available, pack_linears
+from convoy.kernels import linear as linear_mod
+from convoy.kernels.linear import (
+    EXACT_ROWS,
+    PackedLinear,
+    onednn_linear_available,
+    pack_linears,
+    padded_rows,
+)
 
 pytestmark = pytest.mark.skipif(
     not onednn_linear_available(torch.device("cpu"), torch.float32), reason="no oneDNN"
@@ -14,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 65, 300])
 def test_packed_linear_matches_nn_linear(bias: bool, rows: int) -> None:
     torch.manual_seed(rows)
     linear = nn.Linear(96, 200, bias=bias)
@@ -29,6 +37,35 @@ def test_packed_linear_matches_nn_linear(bias: bool, rows: int) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got3, want.view(1, rows, 200), atol=1e-5, rtol=1e-5)
     assert got_t.shape == (rows, 200)
+
+
+def test_padded_rows_are_few_sizes_close_above_the_row_count() -> None:
+    sizes = {padded_rows(m) for m in range(1, 8193)}
+    assert len(sizes) <= 176  # oneDNN's primitive cache holds 1024: ~5 linear shapes x these
+    for m in range(1, 8193):
+        assert m <= padded_rows(m) <= m * 1.0625
+        assert padded_rows(m) == m or m > EXACT_ROWS
+        assert padded_rows(padded_rows(m)) == padded_rows(m)
+
+
+def test_packed_linear_gives_onednn_only_padded_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step's row count used to reach oneDNN as is: a new primitive per count (#29)."""
+    seen: list[int] = []
+    run = linear_mod.onednn_linear
+
+    def recording(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return run(x, packed, bias)
+
+    monkeypatch.setattr(linear_mod, "onednn_linear", recording)
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48)
+    packed = PackedLinear(linear)
+    x = torch.randn(300, 32)
+    with torch.inference_mode():
+        for rows in range(60, 300, 7):
+            torch.testing.assert_close(packed(x[:rows]), linear(x[:rows]), atol=1e-5, rtol=1e-5)
+    assert seen == [padded_rows(rows) for rows in range(60, 300, 7)]
 
 
 def test_pack_linears_replaces_every_linear_and_keeps_tied_embedding() -> None:
