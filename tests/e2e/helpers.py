@@ -89,3 +89,9 @@ def poll(fetch: Callable[[], T], is_done: Callable[[T], bool], what: str, timeou
             return value
         assert time.monotonic() < deadline, f"{what}: still {value!r:.300} after {timeout_s} s"
         time.sleep(0.1)  # polling interval, not synchronisation
+
+
+def counts(usage: Any) -> tuple[int, int, int]:
+    """A usage's token counts, without prompt_tokens_details: how many prompt tokens the prefix
+    cache served differs between two runs of one request (the second finds the first's blocks)."""
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
