@@ -247,7 +247,7 @@ def test_real_engine_answers_as_convoy_batch_without_ray(cluster: Any, tmp_path:
             by_id[answer["custom_id"]] = (
                 response["status_code"],
                 body.get("choices"),
-                body.get("usage"),
+                _counts(body.get("usage")),
                 body.get("error"),
             )
         return by_id
@@ -259,3 +259,11 @@ def test_real_engine_answers_as_convoy_batch_without_ray(cluster: Any, tmp_path:
     )  # fmt: skip
     assert len(alone) == 17 and on_ray == alone
     assert alone["neg"][0] == 400
+
+
+def _counts(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A usage without prompt_tokens_details: the prompt tokens the prefix cache served depend
+    on which lines ran before on that engine (sharding changes them)."""
+    if usage is None:
+        return None
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
