@@ -136,9 +136,13 @@ class BatchExecutor:
                     if run.failure:
                         self._slots.release()
                         break
-                    task = asyncio.create_task(run.one(line, self._slots))
+                    task = asyncio.create_task(run.one(line))
                     run.tasks.add(task)
                     task.add_done_callback(run.tasks.discard)
+                    # NOTE: a done callback, not a `finally` in the task: a task cancelled
+                    # before it first ran never enters its body, and its slot would be lost
+                    # (the loop above then waited for a slot for ever).
+                    task.add_done_callback(lambda _: self._slots.release())
             while run.tasks and not run.failure:
                 await asyncio.wait(set(run.tasks), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -167,14 +171,12 @@ class _Run:
         self.drained = asyncio.Event()  # set whenever `pending` was taken for a commit
         self.stop = asyncio.Event()
 
-    async def one(self, line: InputLine | LineResult, slots: asyncio.Semaphore) -> None:
+    async def one(self, line: InputLine | LineResult) -> None:
         try:
             result = line if isinstance(line, LineResult) else await self.run_line(line)
         except EngineUnavailableError as e:
             self.failure.append(e)
             return
-        finally:
-            slots.release()
         self.pending.append(result)
         if self.on_result is not None:
             self.on_result(result)
