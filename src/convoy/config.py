@@ -148,6 +148,7 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 POOLINGS = ("auto", "last", "mean")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+SPECULATIVE_MODES = ("auto", "off", "ngram")
 REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
 
 
@@ -201,6 +202,25 @@ class SchedulerConfig(_Config):
         "share of --batch-max-seqs that Batch API lines keep while interactive requests wait or"
         " run (with as many prompt tokens a step); their other running sequences pause",
     )
+    speculative: str = setting(
+        "auto",
+        "speculative decoding without a draft model: auto drafts by prompt lookup where the"
+        " step has room (a draft row is run only when its chance of being kept beats what the"
+        " row costs, measured), ngram always drafts by prompt lookup, off never drafts (and"
+        " ignores `prediction`); a request's `prediction` drafts unless off",
+        choices=SPECULATIVE_MODES,
+    )
+    num_speculative_tokens: int = setting(
+        8, "most draft tokens a sequence verifies in one step", kind="positive"
+    )
+    prompt_lookup_min: int = setting(
+        1, "shortest suffix n-gram prompt lookup matches", kind="positive"
+    )
+    prompt_lookup_max: int = setting(
+        4,
+        "longest suffix n-gram prompt lookup matches (it tries the longest first)",
+        kind="positive",
+    )
     batch_grace: float = setting(
         2.0,
         "seconds after the last interactive request during which Batch API lines keep only"
@@ -208,6 +228,10 @@ class SchedulerConfig(_Config):
     )
 
     def _validate(self) -> None:
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ConfigError(f"unsupported speculative mode {self.speculative!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError("prompt_lookup_min must not exceed prompt_lookup_max")
         if not 0 < self.batch_share <= 1:
             raise ConfigError(f"batch_share must be in (0, 1], got {self.batch_share}")
         if not 0 <= self.batch_grace < math.inf:

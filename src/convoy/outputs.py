@@ -50,6 +50,10 @@ class RequestOutput:
     # Tokens generated for this prompt by every sequence, best_of candidates not returned too
     # (what usage.completion_tokens bills).
     num_generated_tokens: int = 0
+    # Predicted outputs (SamplingParams.prediction), summed over the prompt's sequences: output
+    # tokens the prediction foretold, and draft tokens taken from it that were rejected
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times
     # An embedding request's (SamplingParams.pooling) L2-normalised vector, once finished
     embedding: npt.NDArray[np.float32] | None = None

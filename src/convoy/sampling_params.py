@@ -18,6 +18,7 @@ MAX_STOP_CHARS = 1024  # per stop string; a stream holds back this many characte
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
+MAX_PREDICTION_TOKENS = 32768  # predicted output, searched when drafting after a miss
 MAX_REPETITION_PENALTY = 2.0  # (0, 2]: above 2 a repeated token is all but banned already
 
 
@@ -72,6 +73,9 @@ class SamplingParams:
     # Embeddings: compute the prompt only (max_tokens 0), no logits, and return its final hidden
     # states pooled this way and L2-normalised (RequestOutput.embedding); None = generate.
     pooling: Pooling | None = None
+    # Predicted output (OpenAI's `prediction`), as token ids: drafts for speculative decoding
+    # (never changes what is generated, only how fast); None = none
+    prediction: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -150,6 +154,11 @@ class SamplingParams:
             len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
             f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids",
             "stop_token_ids",
+        )
+        _check(
+            self.prediction is None or len(self.prediction) <= MAX_PREDICTION_TOKENS,
+            f"prediction may hold at most {MAX_PREDICTION_TOKENS} tokens",
+            "prediction",
         )
         bias = self.logit_bias or {}
         _check(

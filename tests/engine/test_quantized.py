@@ -40,8 +40,8 @@ TEXT = (
 @pytest.fixture(scope="module")
 def quantized(cpu_kernels: None) -> LLM:
     # The default (the embedded GGUF, dtype auto) without the prefix cache: a prompt run alone
-    # first would be a cache hit in the batch after it, and a cached prefix is attended by
-    # another kernel than a fresh prompt (rounding differs in the last bits: not what this tests).
+    # first would be a cache hit in the batch after it (the same bits: test_speculative.py
+    # tests that; here batches alone are compared).
     return LLM(enable_prefix_caching=False)
 
 
@@ -148,11 +148,14 @@ def _assert_fused_layers_equal_per_op(llm: LLM, monkeypatch: pytest.MonkeyPatch)
 
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     model.forward = capture
+    # steps of decode rows only: no draft to verify (a verification step runs the per-op path)
+    mode, llm.core.scheduler.speculative = llm.core.scheduler.speculative, "off"
     try:
         llm.generate(prompts16()[:1], params)
         llm.generate(prompts16()[:5], params)
     finally:
         del model.forward
+        llm.core.scheduler.speculative = mode
     assert {int(ids.shape[0]) for ids, _, _ in steps} >= {1, 5}
     calls = []
     fused_layer = llama.kernels.decode_layer

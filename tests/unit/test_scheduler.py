@@ -11,6 +11,7 @@ from convoy.engine.scheduler import Scheduler
 from convoy.outputs import FinishReason
 from convoy.sampling_params import SamplingParams
 from convoy.worker.batch import ModelRunnerOutput
+from convoy.worker.worker import accepted_prefix
 
 BS = 4
 _ids = itertools.count()
@@ -28,10 +29,16 @@ class FakeEngine:
     """Plays the worker's part: every sequence that samples in a step gets `token`."""
 
     def __init__(
-        self, num_blocks: int, max_seqs: int = 8, max_tokens: int = 64, max_model_len: int = 4096
+        self,
+        num_blocks: int,
+        max_seqs: int = 8,
+        max_tokens: int = 64,
+        max_model_len: int = 4096,
+        speculative: str = "auto",
     ) -> None:
         self.bm = BlockManager(num_blocks, BS)
-        self.sched = Scheduler(SchedulerConfig(max_seqs, max_tokens), self.bm, max_model_len)
+        config = SchedulerConfig(max_seqs, max_tokens, speculative=speculative)
+        self.sched = Scheduler(config, self.bm, max_model_len)
         self.now = 0.0  # the scheduler's clock (seconds): tests move it
         self.sched.clock = lambda: self.now
         self.steps = 0
@@ -42,10 +49,12 @@ class FakeEngine:
         self.steps += 1
         runner_out = ModelRunnerOutput()
         for (req, n), seq in zip(out.scheduled, out.seqs, strict=True):
-            assert req.num_computed_tokens + n <= req.num_tokens
+            assert req.num_computed_tokens + n - len(seq.draft) <= req.num_tokens
             assert seq.req_id == req.req_id and len(seq.token_ids) == n
-            if seq.sampling is not None:
-                runner_out.sampled_token_ids[seq.req_id] = self.token
+            if seq.sampling is not None:  # every position samples `token`
+                sampled = [self.token] * (len(seq.draft) + 1)
+                kept = accepted_prefix(sampled, seq.draft) + 1
+                runner_out.sampled_token_ids[seq.req_id] = sampled[:kept]
         self.sched.update_from_output(out, runner_out)
         return out.scheduled
 
@@ -111,7 +120,8 @@ def test_small_request_is_not_stuck_behind_a_big_one() -> None:
 
 
 def test_shared_prefix_is_computed_once() -> None:
-    eng = FakeEngine(num_blocks=256, max_seqs=16, max_tokens=512)
+    # it counts the tokens computed: drafts (their rejected tokens) would add to them
+    eng = FakeEngine(num_blocks=256, max_seqs=16, max_tokens=512, speculative="off")
     header = list(range(5000, 5040))  # 10 full blocks
     reqs = []
     for i in range(8):
@@ -193,3 +203,38 @@ def test_aborting_20k_waiting_sequences_frees_them_and_keeps_the_order_of_the_re
         ]
     assert all(r.finish_reason == FinishReason.LENGTH for r in kept + small)
     assert eng.bm.num_used_blocks == 0 and eng.sched.num_waiting == 0
+
+
+def test_drafts_are_verified_kept_and_their_blocks_given_back() -> None:
+    """The fake model samples 7 everywhere: once two 7s are out, prompt lookup drafts 7s and
+    every one is kept; a sequence never outgrows max_tokens, and ends with no block held."""
+    eng = FakeEngine(num_blocks=64, speculative="ngram")
+    reqs = [_req("g", 6, max_tokens=30), _req("h", 9, max_tokens=5)]
+    for r in reqs:
+        eng.sched.add_request(r)
+    eng.run()
+    assert [r.output_token_ids for r in reqs] == [[7] * 30, [7] * 5]
+    assert all(r.finish_reason == FinishReason.LENGTH for r in reqs)
+    assert eng.steps < 12  # 30 tokens in far fewer steps than 30
+    sched = eng.sched
+    assert sched.num_accepted_draft_tokens == sched.num_draft_tokens > 20
+    assert eng.bm.num_used_blocks == 0
+
+
+def test_a_rejected_draft_gives_its_blocks_back_and_its_positions_are_computed_again() -> None:
+    eng = FakeEngine(num_blocks=64, speculative="ngram")
+    req = _req("g", 5, max_tokens=40)
+    eng.sched.add_request(req)
+    tokens = itertools.cycle([7, 7, 8])  # 7 7 8 7 7 8 ...: lookup guesses right, then wrong
+    while eng.sched.has_work():
+        eng.token = next(tokens)
+        before = req.num_computed_tokens
+        scheduled = dict((r.req_id, n) for r, n in eng.step())
+        if req.finish_reason is None:
+            # trimmed to what its tokens use (the last one's slot may come next step)
+            assert -(-req.num_computed_tokens // BS) <= len(req.block_table)
+            assert len(req.block_table) <= -(-req.num_tokens // BS)
+            assert req.num_computed_tokens == req.num_tokens - 1
+            assert req.num_computed_tokens - before <= scheduled[req.req_id]
+    assert eng.sched.num_draft_tokens > eng.sched.num_accepted_draft_tokens  # some rejected
+    assert req.num_output_tokens == 40 and eng.bm.num_used_blocks == 0

@@ -205,7 +205,7 @@ def test_an_interactive_request_never_waits_on_a_block_pending_in_a_paused_batch
     """A batch line computing a prompt block an interactive request needs, then paused by that
     request's arrival (share: one line), would never finish the block: the interactive request
     computes it itself, and a second one with the same prefix waits for the first instead."""
-    eng = FakeEngine(num_blocks=256, max_seqs=4, max_tokens=64)
+    eng = FakeEngine(num_blocks=256, max_seqs=4, max_tokens=64, speculative="off")
     line0 = _batch("line0", 4, max_tokens=100)
     line1 = _batch("line1", 200)
     _add(eng, [line0, line1])

@@ -269,6 +269,11 @@ class EngineClient:
                     record.mark_first_token(first_token)
                 if item.finished:  # once per prompt, as usage counts prompts
                     record.num_cached_tokens += item.num_cached_tokens
+                    if record.num_accepted_prediction_tokens is not None:
+                        record.num_accepted_prediction_tokens += item.num_accepted_prediction_tokens
+                        record.num_rejected_prediction_tokens = (
+                            record.num_rejected_prediction_tokens or 0
+                        ) + item.num_rejected_prediction_tokens
                 yield i, item
         finally:
             # NOTE: cancelling a pump closes its engine generator, which aborts the request.

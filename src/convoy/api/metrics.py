@@ -34,6 +34,9 @@ class RequestRecord:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    # predicted outputs: the prediction's draft tokens kept / rejected (None: no prediction)
+    num_accepted_prediction_tokens: int | None = None
+    num_rejected_prediction_tokens: int | None = None
     first_token_time: float | None = None
 
     def mark_first_token(self, when: float) -> None:
@@ -82,6 +85,21 @@ class _EngineCollector(Collector):
             "convoy_prefix_cache_hit_tokens",
             "Prompt tokens served from the prefix cache.",
             s.num_prefix_cache_hit_tokens,
+        )
+        yield _counter(
+            "convoy_spec_decode_draft_tokens",
+            "Speculative decoding: draft tokens verified.",
+            s.num_draft_tokens,
+        )
+        yield _counter(
+            "convoy_spec_decode_accepted_tokens",
+            "Speculative decoding: draft tokens kept.",
+            s.num_accepted_draft_tokens,
+        )
+        yield _counter(
+            "convoy_spec_decode_rejected_tokens",
+            "Speculative decoding: draft tokens rejected.",
+            s.num_draft_tokens - s.num_accepted_draft_tokens,
         )
 
 

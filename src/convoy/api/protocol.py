@@ -17,6 +17,7 @@ from pydantic import Discriminator, Field, Tag
 
 from convoy.api.chat_template import check_template_kwargs
 from convoy.api.protocol_base import OpenAIModel, RequestModel, is_none
+from convoy.api.protocol_prediction import Prediction
 from convoy.api.protocol_structured import (
     Choices,
     Grammar,
@@ -101,6 +102,9 @@ class StreamOptions(RequestModel):
 
 class CompletionTokensDetails(OpenAIModel):
     reasoning_tokens: int = 0
+    # predicted outputs: the prediction's tokens kept in the output, and those rejected
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class PromptTokensDetails(OpenAIModel):
@@ -124,11 +128,18 @@ class UsageInfo(OpenAIModel):
         num_completion_tokens: int,
         num_reasoning_tokens: int | None = None,
         num_cached_tokens: int | None = None,
+        prediction: tuple[int, int] | None = None,
     ) -> UsageInfo:
+        """`prediction`: (accepted, rejected) prediction tokens, when the request had one."""
         total = num_prompt_tokens + num_completion_tokens
         details = None
-        if num_reasoning_tokens is not None:
-            details = CompletionTokensDetails(reasoning_tokens=num_reasoning_tokens)
+        if num_reasoning_tokens is not None or prediction is not None:
+            accepted, rejected = prediction or (0, 0)
+            details = CompletionTokensDetails(
+                reasoning_tokens=num_reasoning_tokens or 0,
+                accepted_prediction_tokens=accepted,
+                rejected_prediction_tokens=rejected,
+            )
         cached = None
         if num_cached_tokens is not None:
             cached = PromptTokensDetails(cached_tokens=num_cached_tokens)
@@ -174,6 +185,8 @@ class SamplingRequest(RequestModel):
     guided_choice: Choices | None = None
     guided_grammar: Grammar | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: there is one backend
+    # predicted outputs: drafts for speculative decoding (never changes the output)
+    prediction: Prediction | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -26,7 +26,7 @@ from convoy.api.metrics import RequestRecord
 from convoy.api.protocol import UsageInfo
 from convoy.engine.request import Priority
 from convoy.outputs import CompletionOutput, RequestOutput
-from convoy.sampling_params import SamplingParams
+from convoy.sampling_params import MAX_PREDICTION_TOKENS, SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
     from convoy.engine.request import EngineRequest
@@ -114,6 +114,8 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
             TokenNames(self.client.tokenizer),
         )  # fmt: skip
         record.api_id, record.num_prompts = api_id, len(prompts)
+        if params.prediction is not None:
+            record.num_accepted_prediction_tokens = record.num_rejected_prediction_tokens = 0
         record.num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return job, engine_requests
 
@@ -133,6 +135,9 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         """Tokenize (through the chat template) and pass the engine's front door: the heavy part."""
         prompts = self.prompts(request)
         try:
+            prediction = getattr(request, "prediction", None)
+            if prediction is not None:
+                params.prediction = self._prediction_tokens(prediction.text())
             self.adapt(params, prompts)
             return prompts, self.client.process(
                 api_id, prompts, params, self.prompt_param, priority
@@ -144,6 +149,14 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
             for prompt in prompts:
                 prompt.token_ids = []
             raise
+
+    def _prediction_tokens(self, text: str) -> list[int]:
+        token_ids: list[int] = self.client.tokenizer.encode(text, add_special_tokens=False)
+        if len(token_ids) > MAX_PREDICTION_TOKENS:
+            raise SamplingParamsError(
+                f"prediction may hold at most {MAX_PREDICTION_TOKENS} tokens", "prediction"
+            )
+        return token_ids
 
     def sampling_params(self, request: RequestT) -> SamplingParams:
         """The engine parameters every prompt of the request runs with (SamplingParamsError)."""
@@ -171,9 +184,13 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         `num_reasoning`: a reasoning model's think-block tokens (chat)."""
         record = job.record
         record.num_completion_tokens = num_completion_tokens
+        prediction = None
+        if record.num_accepted_prediction_tokens is not None:
+            rejected = record.num_rejected_prediction_tokens or 0
+            prediction = (record.num_accepted_prediction_tokens, rejected)
         return UsageInfo.of(
             record.num_prompt_tokens, num_completion_tokens, num_reasoning,
-            record.num_cached_tokens,
+            record.num_cached_tokens, prediction,
         )  # fmt: skip
 
     def usage_chunk(

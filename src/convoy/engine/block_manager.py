@@ -147,6 +147,16 @@ class BlockManager:
                 self.blocks[req.block_table[i]].block_hash = block_hash
         self._num_registered[req.req_id] = max(start, done)
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back the blocks at the end of the table that no position below `num_tokens`
+        uses (a rejected draft's): they are the request's own, never registered."""
+        keep = -(-num_tokens // self.block_size)
+        while len(req.block_table) > keep:
+            block = self.blocks[req.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+
     def free(self, req: Request) -> None:
         """Drop the request's references; blocks nobody holds go back to the free list."""
         for block_id in reversed(req.block_table):

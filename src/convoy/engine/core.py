@@ -8,7 +8,10 @@ the prompts it ran; the caller ends those (their sequences are left for it to ab
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
+
+import numpy as np
 
 from convoy.config import EngineConfig
 from convoy.engine.block_manager import BlockManager
@@ -22,7 +25,8 @@ from convoy.engine.tokenizer import Tokenizer
 from convoy.outputs import FinishReason
 from convoy.sampling_params import Pooling
 from convoy.structured.compiler import GrammarCompiler
-from convoy.structured.matcher import fill_bitmasks
+from convoy.structured.matcher import GrammarMatcher, fill_bitmasks
+from convoy.worker.batch import SamplerRow
 from convoy.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -87,7 +91,10 @@ class EngineCore:
             if self._faults is not None:
                 self._faults.check()
             self._constrain(sched)
+            start = time.perf_counter()
             runner_out = self.worker.execute(sched.seqs)
+            rows = sum(len(seq.token_ids) for seq in sched.seqs)
+            self.scheduler.step_costs.record(rows, time.perf_counter() - start)
             deltas = self._process_outputs(self.scheduler.update_from_output(sched, runner_out))
         except Exception as e:
             failed = frozenset(req.parent_id or req.req_id for req, _ in sched.scheduled)
@@ -100,15 +107,32 @@ class EngineCore:
         (one array, a row each). A matcher that failed gets no mask: its sequence ends with its
         error once the step is done, whatever it samples."""
         rows = [
-            (req.grammar, seq.sampling)
+            (req.grammar, seq)
             for (req, _), seq in zip(sched.scheduled, sched.seqs, strict=True)
             if req.grammar is not None and seq.sampling is not None
         ]
         if not rows:
             return
         bitmask = fill_bitmasks([grammar for grammar, _ in rows], self.grammars.num_words)
-        for (grammar, sampling), mask in zip(rows, bitmask, strict=True):
-            sampling.bitmask = None if grammar.is_failed else mask
+        for (grammar, seq), mask in zip(rows, bitmask, strict=True):
+            assert seq.sampling is not None
+            seq.sampling.bitmask = None if grammar.is_failed else mask
+            if seq.draft and not grammar.is_failed:
+                self._constrain_draft(grammar, seq.draft, seq.draft_rows)
+
+    def _constrain_draft(
+        self, grammar: GrammarMatcher, draft: list[int], rows: list[SamplerRow]
+    ) -> None:
+        """The mask of each draft position: the grammar's state after the draft tokens before
+        it (the scheduler kept only tokens the grammar allows), then rolled back: the kept
+        tokens are accepted for real once the step is verified."""
+        masks = np.zeros((len(rows), self.grammars.num_words), dtype=np.int32)
+        for i, token_id in enumerate(draft):
+            grammar.accept(token_id)
+            grammar.fill(masks, i)
+        grammar.rollback(len(draft))
+        for row, mask in zip(rows, masks, strict=True):
+            row.bitmask = mask
 
     def _process_outputs(self, reqs: list[Request]) -> list[SeqDelta]:
         deltas = self.output.process(reqs)  # detokenize; a stop string finishes a sequence
@@ -127,6 +151,8 @@ class EngineCore:
             num_generation_tokens=s.num_generation_tokens,
             num_preemptions=s.num_preemptions,
             num_prefix_cache_hit_tokens=self.block_manager.num_hit_tokens,
+            num_draft_tokens=s.num_draft_tokens,
+            num_accepted_draft_tokens=s.num_accepted_draft_tokens,
         )
 
     def _eos_ids(self, extra_stop_tokens: tuple[str, ...]) -> frozenset[int]:

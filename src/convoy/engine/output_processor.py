@@ -96,21 +96,30 @@ class OutputProcessor:
         self.states[req.req_id] = SeqState(detok, hold)
 
     def process(self, reqs: list[Request]) -> list[SeqDelta]:
-        """Each sequence here sampled one token this step (none when only scoring)."""
+        """Each sequence here gained `num_step_tokens` tokens this step (none when scoring or
+        pooling): one, or several after a verified draft. They are taken one at a time, so a
+        stop string ends the sequence at the token that completes it, as plain decoding would;
+        the tokens after it are dropped."""
         for req in reqs:
             if req.params.max_tokens == 0:
                 continue
             state = self.states[req.req_id]
-            state.detok.add(req.token_ids[-1])
             p = req.params
-            if (
-                p.stop
-                and req.finish_reason != FinishReason.STOP
-                and req.num_output_tokens >= p.min_tokens
-            ):
-                hit = self._find_stop(state, p.stop, p.include_stop_str_in_output)
-                if hit is not None:  # a stop string wins over a length limit in this token
-                    req.finish_reason, req.stop_reason = FinishReason.STOP, hit
+            num_new = max(1, req.num_step_tokens)
+            new = req.token_ids[len(req.token_ids) - num_new :]
+            for j, token_id in enumerate(new):
+                state.detok.add(token_id)
+                last = j == num_new - 1
+                if (
+                    p.stop
+                    and (not last or req.finish_reason != FinishReason.STOP)
+                    and req.num_output_tokens - (num_new - 1 - j) >= p.min_tokens
+                ):
+                    hit = self._find_stop(state, p.stop, p.include_stop_str_in_output)
+                    if hit is not None:  # a stop string wins over a length limit in this token
+                        req.finish_reason, req.stop_reason = FinishReason.STOP, hit
+                        _drop_after(req, num_new - 1 - j)
+                        break
         return [self.delta(req) for req in reqs]
 
     def delta(self, req: Request) -> SeqDelta:
@@ -153,3 +162,11 @@ class OutputProcessor:
         pos, s = best
         state.detok.text = text[: pos + len(s)] if include else text[:pos]
         return s
+
+
+def _drop_after(req: Request, num_tokens: int) -> None:
+    """Remove the sequence's last `num_tokens` tokens (after a stop string) and their logprobs."""
+    if num_tokens <= 0:
+        return
+    del req.token_ids[-num_tokens:]
+    del req.logprobs[req.num_output_tokens :]

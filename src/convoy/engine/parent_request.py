@@ -108,6 +108,7 @@ class ParentRequest:
             metrics["first_token"] = min(first)
         if finished:
             metrics["finished"] = time.monotonic()
+        drafters = [c.drafter for c in self.children if c.drafter is not None]
         return RequestOutput(
             request_id=r.request_id,
             prompt=r.prompt,
@@ -117,6 +118,8 @@ class ParentRequest:
             prompt_logprobs=prompt_lp,
             num_cached_tokens=self.children[0].num_cached_tokens,
             num_generated_tokens=sum(c.num_output_tokens for c in self.children),
+            num_accepted_prediction_tokens=sum(d.num_prediction_matched for d in drafters),
+            num_rejected_prediction_tokens=sum(d.num_prediction_rejected for d in drafters),
             metrics=metrics,
             embedding=self.children[0].embedding,
         )

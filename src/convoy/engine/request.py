@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from convoy.engine.speculation import Drafter
 from convoy.outputs import FinishReason, PositionLogprobs
 from convoy.sampling_params import Pooling, SamplingParams
 from convoy.structured.compiler import CompiledGrammar
@@ -82,6 +83,12 @@ class Request:
     # pooling), then, once the prompt is computed, the L2-normalised embedding (fp32)
     pooled: npt.NDArray[np.float64] | None = None
     embedding: npt.NDArray[np.float32] | None = None
+    # Speculative decoding: the draft tokens scheduled after the last sampled one this step,
+    # where drafts come from (created at the first chance to draft), and how many tokens the
+    # last step appended (one, or more when a draft was kept)
+    draft: list[int] = field(default_factory=list)
+    drafter: Drafter | None = None
+    num_step_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

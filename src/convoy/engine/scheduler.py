@@ -34,7 +34,8 @@ from convoy.engine import pooling
 from convoy.engine.block_manager import BlockManager, hash_prompt_blocks
 from convoy.engine.request import Priority, Request, RequestStatus
 from convoy.engine.seq_queues import SeqQueues
-from convoy.outputs import FinishReason
+from convoy.engine.speculation import Drafter, StepCosts
+from convoy.outputs import FinishReason, PositionLogprobs
 from convoy.sampling_params import Pooling
 from convoy.worker.batch import ModelRunnerOutput, PromptScoring, SamplerRow, ScheduledSeq
 
@@ -76,6 +77,14 @@ class Scheduler:
         self.interactive = SeqQueues()
         self.batch = SeqQueues()
         self._queues = (self.interactive, self.batch)  # indexed by Priority
+        # Speculative decoding (engine/speculation.py): drafts go to decoding sequences after
+        # everything else is scheduled, into the token budget and free blocks left over
+        self.speculative = config.speculative
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.lookup_ngrams = (config.prompt_lookup_min, config.prompt_lookup_max)
+        self.step_costs = StepCosts()  # EngineCore records each step's time by rows
+        self.num_draft_tokens = 0  # totals since start
+        self.num_accepted_draft_tokens = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # totals since start (one prompt counted once, not per child)
         self.num_generation_tokens = 0
@@ -121,8 +130,47 @@ class Scheduler:
             budget = self._schedule_waiting(out, fg, budget, self.max_num_seqs)
         if self.batch.running or self.batch.waiting:
             self._schedule_batch(out, budget, is_shared)
+        if self.speculative != "off":
+            self._add_drafts(out)
         out.seqs = [_scheduled_seq(req, num_new) for req, num_new in out.scheduled]
         return out
+
+    def _add_drafts(self, out: SchedulerOutput) -> None:
+        """Give decoding sequences of this step draft tokens to verify, from what the step left
+        (tokens of the budget, free blocks: a draft never displaces other work). A prompt-lookup
+        draft token runs only while its estimated chance of being kept beats what one more row
+        costs against the step's rows now (`StepCosts`; "ngram" mode drafts regardless); a
+        prediction's draft always runs."""
+        rows = sum(num_new for _, num_new in out.scheduled)
+        budget = self.max_num_batched_tokens - rows
+        lookup = self.speculative in ("auto", "ngram")
+        for i, (req, num_new) in enumerate(out.scheduled):
+            if budget <= 0:
+                break
+            p = req.params
+            if num_new != 1 or req.num_output_tokens == 0 or p.pooling is not None:
+                continue
+            if req.drafter is None:
+                if not (lookup or p.prediction):
+                    continue
+                req.drafter = Drafter.create(
+                    req.prompt_token_ids, p.prediction, lookup, *self.lookup_ngrams
+                )
+            room = min(self.num_speculative_tokens, budget, self.max_model_len - req.num_tokens)
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            drafter = req.drafter
+            draft = drafter.propose(req.token_ids, req.num_prompt_tokens, drafter.budget(room))
+            if draft and drafter.source == "lookup" and self.speculative == "auto":
+                draft = draft[: _worth(drafter.acceptance, self.step_costs.threshold(rows))]
+            if draft and req.grammar is not None:
+                draft = draft[: req.grammar.validate(draft)]
+            if not draft or not self.bm.allocate(req, 1 + len(draft)):
+                continue
+            req.draft = draft
+            out.scheduled[i] = (req, 1 + len(draft))
+            rows += len(draft)
+            budget -= len(draft)
 
     def update_from_output(
         self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
@@ -136,24 +184,33 @@ class Scheduler:
                 if not req.prompt_logprobs:
                     req.prompt_logprobs.append(None)  # nothing predicts the first prompt token
                 req.prompt_logprobs.extend(scored)
-            req.num_computed_tokens += num_new
-            self.num_computed_tokens += num_new
+            token_ids = runner_out.sampled_token_ids.get(req.req_id)
+            draft, req.draft = req.draft, []
+            # a verified draft: its kept tokens' K/V are valid, the rest is overwritten later
+            kept = len(token_ids) - 1 if draft and token_ids else 0
+            req.num_computed_tokens += num_new - len(draft) + kept
+            self.num_computed_tokens += num_new - len(draft) + kept
             self.bm.cache_computed(req)
             if req.params.pooling is not None:
                 if self._pool(req, runner_out, now):
                     updated.append(req)
                 continue
-            token_id = runner_out.sampled_token_ids.get(req.req_id)
-            if token_id is None:
+            if token_ids is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
             if req.first_token_time is None:
                 req.first_token_time = now
+            if draft:
+                self._verified(req, len(draft), kept)
             if req.params.max_tokens == 0:  # scoring only: the prompt is computed, nothing sampled
                 req.finish_reason = FinishReason.LENGTH
             else:
-                self._append_token(req, token_id, runner_out)
+                self._append_tokens(req, token_ids, runner_out)
+                if req.drafter is not None:
+                    req.drafter.sync(req.token_ids)
             if req.finish_reason is not None:
                 self._free(req)
+            elif draft:
+                self.bm.trim(req, req.num_tokens)  # blocks that held only rejected draft K/V
             updated.append(req)
         self._prune_running()
         return updated
@@ -193,12 +250,34 @@ class Scheduler:
         self._prune_running()
         return finished
 
-    def _append_token(self, req: Request, token_id: int, runner_out: ModelRunnerOutput) -> None:
+    def _verified(self, req: Request, drafted: int, kept: int) -> None:
+        assert req.drafter is not None
+        req.drafter.record(drafted, kept)
+        self.num_draft_tokens += drafted
+        self.num_accepted_draft_tokens += kept
+
+    def _append_tokens(
+        self, req: Request, token_ids: list[int], runner_out: ModelRunnerOutput
+    ) -> None:
+        """Append a step's kept tokens in order, up to the first that ends the sequence."""
+        lps = runner_out.sampled_logprobs.get(req.req_id)
+        entries = runner_out.logprobs.get(req.req_id)
+        req.num_step_tokens = 0
+        for j, token_id in enumerate(token_ids):
+            req.num_step_tokens += 1
+            lp = None if lps is None else lps[j]
+            self._append_token(req, token_id, lp, None if entries is None else entries[j])
+            if req.finish_reason is not None:
+                break
+
+    def _append_token(
+        self, req: Request, token_id: int, lp: float | None, entry: PositionLogprobs | None
+    ) -> None:
         req.token_ids.append(token_id)
         self.num_generation_tokens += 1
-        if (lp := runner_out.sampled_logprobs.get(req.req_id)) is not None:
+        if lp is not None:
             req.cumulative_logprob += lp
-        if (entry := runner_out.logprobs.get(req.req_id)) is not None:
+        if entry is not None:
             req.logprobs.append(entry)
         if req.grammar is not None and _grammar_ends(req, token_id):
             return
@@ -338,6 +417,7 @@ class Scheduler:
         q.stop_running(req)
         self.bm.free(req)
         req.num_computed_tokens = 0
+        req.draft = []
         req.pooled = None  # computed again from the first token
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -367,13 +447,28 @@ def _grammar_ends(req: Request, token_id: int) -> bool:
     return req.finish_reason is not None
 
 
+def _worth(acceptance: float, threshold: float) -> int:
+    """How many draft tokens in a row are each kept with a chance of at least `threshold`
+    (token i is kept with about acceptance ** i); at most 64."""
+    if threshold <= 0.0:
+        return 64
+    if acceptance <= threshold:
+        return 0
+    return min(64, int(math.log(threshold) / math.log(min(acceptance, 0.999))))
+
+
 def _scheduled_seq(req: Request, num_new: int) -> ScheduledSeq:
-    """The worker's view of one scheduled sequence."""
+    """The worker's view of one scheduled sequence; a draft's tokens follow the sequence's
+    own, each with the sampling row that plain decoding would use at its position."""
     start = req.num_computed_tokens
-    seq = ScheduledSeq(req.req_id, req.token_ids[start : start + num_new], start, req.block_table)
+    draft = req.draft
+    num_own = num_new - len(draft)
+    seq = ScheduledSeq(
+        req.req_id, req.token_ids[start : start + num_own] + draft, start, req.block_table
+    )
     seq.prompt_len = req.num_prompt_tokens
-    seq.scoring = _scoring(req, start, num_new)
-    is_last = start + num_new == req.num_tokens
+    seq.scoring = _scoring(req, start, num_own)
+    is_last = start + num_own == req.num_tokens
     if req.params.pooling is not None:  # an embedding: pools, never samples
         if is_last or req.params.pooling is Pooling.MEAN:
             seq.pooling = req.params.pooling
@@ -381,10 +476,19 @@ def _scheduled_seq(req: Request, num_new: int) -> ScheduledSeq:
     if is_last:
         p = req.params
         stop_ids = [] if p.ignore_eos else sorted(req.eos_token_ids)
-        seq.sampling = SamplerRow(
-            p, req.seed, req.prompt_token_ids, req.output_token_ids, stop_ids + p.stop_token_ids,
-            need_logprob=p.num_seqs > p.n,
-        )  # fmt: skip
+        output = req.output_token_ids
+        seq.sampling, *seq.draft_rows = (
+            SamplerRow(
+                p,
+                req.seed,
+                req.prompt_token_ids,
+                output + draft[:i],
+                stop_ids + p.stop_token_ids,
+                need_logprob=p.num_seqs > p.n,
+            )  # fmt: skip
+            for i in range(len(draft) + 1)
+        )
+        seq.draft = draft
     return seq
 
 

@@ -15,3 +15,5 @@ class EngineStats:
     num_generation_tokens: int
     num_preemptions: int
     num_prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_draft_tokens: int = 0  # of which kept

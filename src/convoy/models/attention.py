@@ -10,7 +10,11 @@ Layout of one layer's cache (see kv_cache.py): K and V are each a head-major ten
 A step's tokens come flat: sequence 0's new tokens, then sequence 1's, ... New K/V are written to
 their slots first, then each query reads its sequence's slots. Sequences with one new token (decode)
 are attended together in one batched call (the csrc kernel of convoy.kernels on the CPU, else torch);
-sequences with several (prefill chunks) one at a time.
+sequences with several (prefill chunks, speculative verification) one at a time. With the csrc
+kernel every query of a chunk is attended as a decode row of its position (`_rows_as_decode`), so
+a position's output has the same bits whether it is computed fresh, after a prefix-cache hit, in
+a chunk of any size or alone; the torch path (other devices) uses SDPA and is exact only within
+one way of chunking.
 
 The cache may hold K/V in a narrower dtype than the activations (`kv_cache_dtype`, e.g. bf16 under
 fp32): writes round to it, reads widen back (the csrc kernel in registers; here a `.to`), and a
@@ -40,7 +44,7 @@ class PrefillSeq:
     start: int  # first index of its tokens in the flat batch
     end: int
     context_len: int  # tokens in cache after this step (computed before + new)
-    blocks: torch.Tensor  # (NB,) its block table, covering context_len (unused when fresh)
+    blocks: torch.Tensor  # (NB,) its block table, covering context_len (torch path: unused fresh)
     # Attention masks of this step's query tiles, shared by the layers with the same window:
     # (window, first query, end query) -> (first key, end key, (tile, keys) bool mask or None)
     masks: dict[tuple[int | None, int, int], tuple[int, int, torch.Tensor | None]] = field(
@@ -107,11 +111,40 @@ def paged_attention(
             q[meta.decode_idx], k_cache, v_cache, meta, scale, window, softcap
         )
     for seq in meta.prefills:
+        if meta.native_decode:
+            out[seq.start : seq.end] = _rows_as_decode(
+                q[seq.start : seq.end], k_cache, v_cache, seq, meta.block_size, scale, window,
+                softcap,
+            )  # fmt: skip
+            continue
         out[seq.start : seq.end] = _prefill_attention(
             q[seq.start : seq.end], k[seq.start : seq.end], v[seq.start : seq.end],
             k_cache, v_cache, seq, meta.block_size, scale, window, softcap,
         )  # fmt: skip
     return out
+
+
+def _rows_as_decode(
+    q: torch.Tensor,  # (Tq, H, D)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq: PrefillSeq,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """A chunk's queries attended from the cache by the decode kernel, each query as the decode
+    row of its position would be (its own context length, keys in the same order): a prompt's
+    logits are then the same bits computed fresh, after a prefix-cache hit, in chunks of any
+    size, or token by token, which speculative verification relies on."""
+    num_q = q.shape[0]
+    first = seq.context_len - num_q
+    lens = torch.arange(first + 1, seq.context_len + 1, dtype=torch.long, device=q.device)
+    tables = seq.blocks.view(1, -1).expand(num_q, -1)
+    return kernels.decode_attention(
+        q, k_cache, v_cache, tables, lens, block_size, scale, window or 0, softcap or 0.0
+    )
 
 
 def _decode_attention(

@@ -42,6 +42,15 @@ class GrammarMatcher:
         grammar does not allow), which it then stays."""
         return self._matcher.consume_token(token_id)
 
+    def validate(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar allows from here (nothing consumed)."""
+        n: int = self._matcher.validate_tokens(token_ids)
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (a draft's, after its masks are filled)."""
+        self._matcher.rollback(num_tokens)
+
     @property
     def is_finished(self) -> bool:
         """The grammar has fully matched: nothing may follow (EOS at most)."""

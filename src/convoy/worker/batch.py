@@ -52,6 +52,10 @@ class ScheduledSeq:
     # Embeddings: reduce the new tokens' final hidden states (mean: their sum; last: the last
     # row) into ModelRunnerOutput.pooled; such a sequence never samples
     pooling: Pooling | None = None
+    # Speculative decoding: the last len(draft) of token_ids are draft tokens to verify; the
+    # sampling rows of the positions after each of them (`sampling` is the one before the first)
+    draft: list[int] = field(default_factory=list)
+    draft_rows: list[SamplerRow] = field(default_factory=list)
 
     @property
     def need_logits(self) -> bool:
@@ -67,9 +71,11 @@ class ScheduledSeq:
 class ModelRunnerOutput:
     """One step's results, keyed by request id."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # sequences that sampled
-    sampled_logprobs: dict[str, float] = field(default_factory=dict)  # where need_logprob
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # where params.logprobs
+    # Per sequence that sampled, its tokens this step, in order: one, or after a verified draft
+    # the draft tokens kept and the sample after them; their logprobs alike
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    sampled_logprobs: dict[str, list[float | None]] = field(default_factory=dict)  # need_logprob
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # params.logprobs
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # where ScheduledSeq.pooling: the chunk's pooled final hidden states (fp64)
     pooled: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)

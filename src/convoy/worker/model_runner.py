@@ -69,8 +69,8 @@ class ModelRunner:
                 prompt_spans.append((offset + s.prompt_logits_from, offset + n))
             else:
                 prompt_spans.append(None)
-            if s.need_logits:
-                rows.append(offset + n - 1)
+            if s.need_logits:  # the last position, and each draft token's
+                rows.extend(range(offset + n - 1 - len(s.draft), offset + n))
             offset += n
         sampling = hidden if len(rows) == offset else hidden[rows]  # all decode: every row
         prompt_hidden = [
@@ -120,9 +120,10 @@ class ModelRunner:
                 decode_lens.append(start + 1)
             else:
                 ctx = start + n
+                # the native path reads every chunk's keys from the cache, a fresh one's too
                 blocks = (
                     self._blocks([table], self._num_blocks(ctx))
-                    if start > 0
+                    if start > 0 or self.native_decode
                     else torch.empty(0, dtype=torch.long, device=self.device)
                 )
                 prefills.append(PrefillSeq(flat, flat + n, ctx, blocks))
@@ -138,6 +139,7 @@ class ModelRunner:
             decode_lens=None,
             prompt_lens=torch.tensor(prompt_lens, dtype=torch.long, device=dev),
         )
+        meta.native_decode = self.native_decode
         if decode_idx:
             meta.decode_idx = torch.tensor(decode_idx, dtype=torch.long, device=dev)
             num_blocks = self._num_blocks(max(decode_lens))
@@ -145,7 +147,6 @@ class ModelRunner:
             meta.decode_blocks = self._blocks(decode_tables, num_blocks)
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
             meta.all_decode = not prefills
-            meta.native_decode = self.native_decode
         return torch.tensor(ids, dtype=torch.long, device=dev), meta.positions, meta
 
     def _num_blocks(self, length: int) -> int:

@@ -29,6 +29,16 @@ from convoy.worker.sampler import prompt_logprobs, sample
 logger = logging.getLogger(__name__)
 
 
+def accepted_prefix(sampled: list[int], draft: list[int]) -> int:
+    """How many draft tokens the samples reproduce: sampled[i] was drawn at the position after
+    draft[i - 1] (after the last sampled token for i = 0), so draft[i] is kept while it equals
+    sampled[i]; sampled[kept] is then the step's last token."""
+    kept = 0
+    while kept < len(draft) and sampled[kept] == draft[kept]:
+        kept += 1
+    return kept
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -145,13 +155,25 @@ class Worker:
         result.pooled = out.pooled
         sampling = [s for s in seqs if s.sampling is not None]
         if sampling:
-            sampled = sample(out.logits, [s.sampling for s in sampling if s.sampling is not None])
-            for i, s in enumerate(sampling):
-                result.sampled_token_ids[s.req_id] = sampled.token_ids[i]
-                if (lp := sampled.sampled_logprobs[i]) is not None:
-                    result.sampled_logprobs[s.req_id] = lp
-                if (entry := sampled.logprobs[i]) is not None:
-                    result.logprobs[s.req_id] = entry
+            rows = [
+                row
+                for s in sampling
+                if s.sampling is not None
+                for row in (s.sampling, *s.draft_rows)
+            ]
+            sampled = sample(out.logits, rows)
+            i = 0
+            for s in sampling:
+                tokens = sampled.token_ids[i : i + len(s.draft) + 1]
+                keep = accepted_prefix(tokens, s.draft) + 1
+                result.sampled_token_ids[s.req_id] = tokens[:keep]
+                lps = sampled.sampled_logprobs[i : i + keep]
+                if lps[0] is not None:
+                    result.sampled_logprobs[s.req_id] = lps
+                entries = sampled.logprobs[i : i + keep]
+                if entries[0] is not None:
+                    result.logprobs[s.req_id] = [e for e in entries if e is not None]
+                i += len(s.draft) + 1
         for s, hidden in zip(seqs, out.prompt_hidden, strict=True):
             if s.scoring is not None and hidden is not None:
                 targets = s.scoring.targets  # the chunk's last position may predict no prompt token
