@@ -204,10 +204,10 @@ class SchedulerConfig(_Config):
     )
     speculative: str = setting(
         "auto",
-        "speculative decoding without a draft model: auto drafts by prompt lookup where the"
-        " step has room (a draft row is run only when its chance of being kept beats what the"
-        " row costs, measured), ngram always drafts by prompt lookup, off never drafts (and"
-        " ignores `prediction`); a request's `prediction` drafts unless off",
+        "speculative decoding without a draft model, from a request's `prediction` and by"
+        " prompt lookup: auto runs a draft token only when its chance of being kept beats what"
+        " one more row costs the step (measured), ngram always drafts, off never does (and"
+        " ignores `prediction`)",
         choices=SPECULATIVE_MODES,
     )
     num_speculative_tokens: int = setting(

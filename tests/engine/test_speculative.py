@@ -95,7 +95,8 @@ def test_cached_and_chunked_prefill_give_the_bits_of_a_fresh_one(quantized: LLM)
     with speculative(quantized, "off"):
         hits_before = quantized.core.block_manager.num_hit_tokens
         fresh = [
-            tokens_and_logprobs(quantized.generate([p], s))[0] for p, s in zip(prompts, salted)
+            tokens_and_logprobs(quantized.generate([p], s))[0]
+            for p, s in zip(prompts, salted, strict=True)
         ]
         assert quantized.core.block_manager.num_hit_tokens == hits_before
         cached = tokens_and_logprobs(quantized.generate(prompts, salted))  # the same 4 again

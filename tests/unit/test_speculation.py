@@ -77,15 +77,21 @@ def test_acceptance_sets_the_draft_length_and_misses_back_off_lookup() -> None:
         assert d.propose([1, 2, 3, 1, 2, 3, 1], 6, 4) == []
     assert d.propose([1, 2, 3, 1, 2, 3, 1], 6, 4) == [2, 3, 1, 2]
     assert d.num_drafted == 52 and d.num_accepted == 40
+    low = d.acceptance
+    for _ in range(30):  # steps in which its drafts were not worth a row
+        d.relax()
+    assert low < d.acceptance < d.prior  # drifts back: it tries again later
 
 
 def test_a_draft_row_runs_only_while_its_chance_beats_what_a_row_costs() -> None:
     costs = StepCosts()
     assert costs.threshold(8) == 0.0  # nothing measured: try
+    assert costs.explore_cap(8) == 16  # one bucket up at a time
     for _ in range(5):  # memory-bound: 16 rows cost what 8 do
         costs.record(8, 0.050)
         costs.record(16, 0.051)
     assert costs.threshold(8) < 0.05
+    assert costs.explore_cap(8) is None and costs.explore_cap(16) == 32
     for _ in range(50):  # compute-bound: twice the rows, twice the time
         costs.record(64, 0.5)
         costs.record(128, 1.0)
@@ -93,6 +99,8 @@ def test_a_draft_row_runs_only_while_its_chance_beats_what_a_row_costs() -> None
     assert _worth(0.9, costs.threshold(64)) == 0  # even a 90% draft is not worth a row there
     assert _worth(0.9, costs.threshold(8)) > 8
     assert _worth(0.5, 0.2) == 2  # 0.5, 0.25 pass; 0.125 does not
+    costs.record(1000, 8.0)  # a prefill step far above: the slope from 128 to it, per row
+    assert 0.95 < costs.threshold(128) < 1.05
 
 
 def test_accepted_prefix_keeps_the_draft_tokens_the_samples_reproduce() -> None:

@@ -93,8 +93,10 @@ class EngineCore:
             self._constrain(sched)
             start = time.perf_counter()
             runner_out = self.worker.execute(sched.seqs)
-            rows = sum(len(seq.token_ids) for seq in sched.seqs)
-            self.scheduler.step_costs.record(rows, time.perf_counter() - start)
+            # what drafts cost: steps of decode rows (and verifications) only, not prefills
+            if all(seq.draft or len(seq.token_ids) == 1 for seq in sched.seqs):
+                rows = sum(len(seq.token_ids) for seq in sched.seqs)
+                self.scheduler.step_costs.record(rows, time.perf_counter() - start)
             deltas = self._process_outputs(self.scheduler.update_from_output(sched, runner_out))
         except Exception as e:
             failed = frozenset(req.parent_id or req.req_id for req, _ in sched.scheduled)

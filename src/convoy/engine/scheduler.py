@@ -137,13 +137,16 @@ class Scheduler:
 
     def _add_drafts(self, out: SchedulerOutput) -> None:
         """Give decoding sequences of this step draft tokens to verify, from what the step left
-        (tokens of the budget, free blocks: a draft never displaces other work). A prompt-lookup
-        draft token runs only while its estimated chance of being kept beats what one more row
-        costs against the step's rows now (`StepCosts`; "ngram" mode drafts regardless); a
-        prediction's draft always runs."""
+        (tokens of the budget, free blocks: a draft never displaces other work). In "auto"
+        mode a draft token runs only while its estimated chance of being kept beats what one
+        more row costs against the step's rows now (`StepCosts`): a prediction's drafts start
+        trusted (90%), and once the step is compute-bound only drafts that are nearly always
+        kept still run; "ngram" mode drafts regardless."""
         rows = sum(num_new for _, num_new in out.scheduled)
         budget = self.max_num_batched_tokens - rows
         lookup = self.speculative in ("auto", "ngram")
+        if self.speculative == "auto" and (cap := self.step_costs.explore_cap(rows)) is not None:
+            budget = min(budget, cap - rows)  # learn the next bucket's cost before going past it
         for i, (req, num_new) in enumerate(out.scheduled):
             if budget <= 0:
                 break
@@ -161,8 +164,10 @@ class Scheduler:
                 room = min(room, p.max_tokens - req.num_output_tokens - 1)
             drafter = req.drafter
             draft = drafter.propose(req.token_ids, req.num_prompt_tokens, drafter.budget(room))
-            if draft and drafter.source == "lookup" and self.speculative == "auto":
+            if draft and self.speculative == "auto":
                 draft = draft[: _worth(drafter.acceptance, self.step_costs.threshold(rows))]
+                if not draft:
+                    drafter.relax()
             if draft and req.grammar is not None:
                 draft = draft[: req.grammar.validate(draft)]
             if not draft or not self.bm.allocate(req, 1 + len(draft)):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 PRIOR_PREDICTION = 0.9
 PRIOR_LOOKUP = 0.5
 EMA = 0.3  # weight of the newest verification in a sequence's acceptance estimate
+RELAX = 0.05  # per step without a draft, the estimate moves this share back to its prior
 
 
 class NgramIndex:
@@ -100,6 +101,7 @@ class Drafter:
     n_max: int
     pred_pos: int | None = 0  # where the next output token should be in the prediction; None: lost
     acceptance: float = 0.0  # estimated chance that a draft token is kept
+    prior: float = 0.0  # the estimate before any verification
     misses: int = 0  # verifications in a row that kept no draft token
     skip: int = 0  # steps left without a lookup draft (after misses)
     source: str = ""  # where the pending draft came from ("prediction" or "lookup")
@@ -123,7 +125,10 @@ class Drafter:
     ) -> Drafter:
         index = NgramIndex(tokens, n_max) if lookup else None
         prior = PRIOR_PREDICTION if prediction else PRIOR_LOOKUP
-        return cls(index, prediction or None, n_min, n_max, acceptance=prior, num_seen=len(tokens))
+        return cls(
+            index, prediction or None, n_min, n_max, acceptance=prior, prior=prior,
+            num_seen=len(tokens),
+        )  # fmt: skip
 
     def propose(self, tokens: Sequence[int], num_prompt: int, k: int) -> list[int]:
         """Up to k draft tokens to follow `tokens` (the sequence's prompt + output so far)."""
@@ -195,6 +200,12 @@ class Drafter:
         else:
             self.misses = 0
 
+    def relax(self) -> None:
+        """A step in which this sequence's draft was not worth running: its estimate drifts
+        back toward the prior, so a sequence that missed for a while tries again later (the
+        text may have turned repetitive)."""
+        self.acceptance += RELAX * (self.prior - self.acceptance)
+
     def budget(self, k_max: int) -> int:
         """Draft tokens worth proposing now: while the chance that all of them are kept stays
         above a tenth, at least one, at most k_max."""
@@ -206,16 +217,19 @@ class Drafter:
 
 class StepCosts:
     """Measured step time by rows (tokens computed in the step), in power-of-two buckets, so the
-    scheduler can tell what one more row costs against what a decode row costs now.
+    scheduler can tell what one more row costs against what a row of the step costs now.
 
-    While a step is memory-bound, more rows cost almost nothing (the weights are read once for
-    all of them); once compute-bound, each row costs about as much as the step's rows on average,
-    and a draft token only pays if it is kept with at least that ratio."""
+    While a step is memory-bound, more rows cost little (the weights are read once for all of
+    them); once compute-bound, each row costs about as much as the step's rows on average, and
+    a draft token only pays if it is kept with at least that ratio. Buckets above the largest
+    measured one are explored one at a time (`explore_cap`)."""
 
-    __slots__ = ("seconds",)
+    __slots__ = ("rows", "seconds")
 
     def __init__(self) -> None:
-        self.seconds: dict[int, float] = {}  # bucket (rows rounded up to a power of 2) -> EMA
+        # bucket (rows rounded up to a power of 2) -> moving averages of rows and seconds
+        self.rows: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -225,16 +239,32 @@ class StepCosts:
         if rows <= 0:
             return
         b = self.bucket(rows)
-        old = self.seconds.get(b)
-        self.seconds[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if b not in self.seconds:
+            self.rows[b], self.seconds[b] = float(rows), seconds
+            return
+        self.rows[b] = 0.8 * self.rows[b] + 0.2 * rows
+        self.seconds[b] = 0.8 * self.seconds[b] + 0.2 * seconds
 
     def threshold(self, rows: int) -> float:
         """The least chance of being kept that makes a draft row worth adding to a step of
-        `rows` rows: (marginal seconds of a row) / (seconds per row of the step as it is).
-        0 while the next bucket's time is not known (try it) or the step is memory-bound."""
+        `rows` rows: (seconds one more row adds) / (seconds per row of the step as it is),
+        from this bucket and the next measured one above it; 0 (try) where either is not
+        measured yet."""
         b = self.bucket(rows)
-        here, there = self.seconds.get(b), self.seconds.get(2 * b)
-        if here is None or there is None or here <= 0:
+        above = [c for c in self.seconds if c > b]
+        if b not in self.seconds or not above:
             return 0.0
-        marginal = max(0.0, there - here) / b
-        return marginal / (here / b)
+        c = min(above)
+        r0, t0, r1, t1 = self.rows[b], self.seconds[b], self.rows[c], self.seconds[c]
+        if t0 <= 0 or r1 <= r0:
+            return 0.0
+        marginal = max(0.0, t1 - t0) / (r1 - r0)
+        return marginal / (t0 / r0)
+
+    def explore_cap(self, rows: int) -> int | None:
+        """The most rows a step of `rows` rows may grow to by drafts while nothing above its
+        bucket is measured (one bucket up), else None (no cap but the thresholds)."""
+        b = self.bucket(rows)
+        if any(c > b for c in self.seconds):
+            return None
+        return 2 * b

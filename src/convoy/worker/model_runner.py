@@ -114,10 +114,12 @@ class ModelRunner:
             prompt_lens.extend([s.prompt_len or start + n] * n)
             pos.extend(range(start, start + n))
             slot_map.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                decode_idx.append(flat)
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+            if n == 1 or s.draft:
+                # a decode token; or a draft's verification, each position a decode row of its
+                # own (the kernels of a decode step, so its bits; the fused layer when all are)
+                decode_idx.extend(range(flat, flat + n))
+                decode_tables.extend([table] * n)
+                decode_lens.extend(range(start + 1, start + n + 1))
             else:
                 ctx = start + n
                 # the native path reads every chunk's keys from the cache, a fresh one's too
