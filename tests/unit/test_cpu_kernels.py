@@ -135,3 +135,46 @@ def test_decode_kernel_rejects_negative_soft_cap() -> None:
             torch.zeros(1, 2, 8), k_cache, k_cache, torch.tensor([[0]]), torch.tensor([3]), 16,
             1.0, 0, -1.0,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "window", "softcap"),
+    [
+        (9, 3, 64, 0, 0.0),  # SmolLM2: 4 rows a tile
+        (4, 1, 256, 0, 0.0),  # Gemma 3: 3 rows a tile
+        (4, 1, 256, 7, 0.0),  # a sliding window shorter than the chunk
+        (8, 4, 16, 0, 50.0),  # soft-capped (Gemma 2)
+        (12, 2, 96, 5, 0.0),  # Phi-3's head size, 6 heads a group: 2 rows a tile
+        (16, 2, 32, 0, 0.0),  # 8 heads a group: 1 row a tile
+        (18, 2, 32, 0, 0.0),  # 9 heads a group: the scalar path
+        (4, 2, 12, 3, 0.0),  # head size not a multiple of 8: the scalar path
+    ],
+)
+@pytest.mark.parametrize(
+    ("q_dtype", "cache_dtype"),
+    [(torch.float32, torch.float16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
+)
+@pytest.mark.parametrize("start", [0, 13])
+def test_prefill_kernel_gives_each_query_the_bits_of_its_decode_row(
+    heads, kv_heads, head_dim, window, softcap, q_dtype, cache_dtype, start
+) -> None:
+    """A chunk's query at position p, attended by prefill_attention, equals bit for bit the
+    decode row of position p (decode_attention with context p + 1): what makes a prompt's
+    logits independent of chunking and of prefix-cache hits, and verification exact."""
+    gen = torch.Generator().manual_seed(heads * 7 + head_dim + start)
+    block_size, num_blocks, num_q = 4, 32, 23  # tiles of 1-4 rows and a ragged last tile
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen)
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    ctx = start + num_q
+    table = torch.randperm(num_blocks, generator=gen)[: -(-ctx // block_size)]
+    q = torch.randn(num_q, heads, head_dim, generator=gen).to(q_dtype)
+    scale = head_dim**-0.5
+    out = kernels.prefill_attention(
+        q, k_cache, v_cache, table, start, block_size, scale, window, softcap
+    )
+    lens = torch.arange(start + 1, ctx + 1)
+    rows = kernels.decode_attention(
+        q, k_cache, v_cache, table.expand(num_q, -1), lens, block_size, scale, window, softcap
+    )
+    assert torch.equal(out, rows)

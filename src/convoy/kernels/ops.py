@@ -31,6 +31,26 @@ def decode_attention(
     )
 
 
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+    block_size: int,
+    scale: float,
+    window: int,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """One sequence's chunk of queries q (T, H, D) at positions start.. start + T - 1, each
+    attended from the cache (which holds the chunk's K/V already) exactly as `decode_attention`
+    attends the decode row of its position: the same bits, with the scores of a few rows
+    computed per key load. block_table (NB,) int64 covers start + T keys. Returns (T, H, D)."""
+    return torch.ops.convoy.prefill_attention(
+        q, k_cache, v_cache, block_table, start, block_size, scale, window, softcap
+    )
+
+
 def pack_bf16_weight(w: torch.Tensor) -> torch.Tensor:
     """(N, K) bf16 or fp16 weight -> 16-wide K-major panels of its dtype for `bf16_linear`
     (csrc/bf16_linear.cpp)."""

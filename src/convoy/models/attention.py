@@ -134,16 +134,13 @@ def _rows_as_decode(
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """A chunk's queries attended from the cache by the decode kernel, each query as the decode
+    """A chunk's queries attended from the cache by the prefill kernel, each query as the decode
     row of its position would be (its own context length, keys in the same order): a prompt's
     logits are then the same bits computed fresh, after a prefix-cache hit, in chunks of any
     size, or token by token, which speculative verification relies on."""
-    num_q = q.shape[0]
-    first = seq.context_len - num_q
-    lens = torch.arange(first + 1, seq.context_len + 1, dtype=torch.long, device=q.device)
-    tables = seq.blocks.view(1, -1).expand(num_q, -1)
-    return kernels.decode_attention(
-        q, k_cache, v_cache, tables, lens, block_size, scale, window or 0, softcap or 0.0
+    first = seq.context_len - q.shape[0]
+    return kernels.prefill_attention(
+        q, k_cache, v_cache, seq.blocks, first, block_size, scale, window or 0, softcap or 0.0
     )
 
 

@@ -141,6 +141,77 @@ bool attend_vec(int64_t G, const float* qf, const C* kg, const C* vg, const int6
 #endif
 
 
+// Scores of one query row's G heads over n keys by the scalar path (no AVX2, D % 8, G > 8):
+// scores[j * n + i] = q_j . k_i * scale.
+template <typename C>
+void qk_scalar(const float* qf, const C* kg, const int64_t* slots, int64_t n, int64_t G, int64_t D,
+               float fscale, float* scores) {
+  for (int64_t i = 0; i < n; ++i) {
+    const C* krow = kg + slots[i] * D;
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qrow = qf + j * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qrow[d] * static_cast<float>(krow[d]);
+      scores[j * n + i] = dot * fscale;
+    }
+  }
+}
+
+// The rest of one query row once its scores are in (scores[j * n + i], keys in order):
+// soft-cap, softmax per head, the weighted sum of V in key order, written to og (G heads x D).
+// Decode and prefill both end here, so a row's bits do not depend on how its scores were tiled.
+template <typename T, typename C>
+void finish_row(float* scores, int64_t n, int64_t G, int64_t D, const C* vg,
+                const int64_t* slots, float fscale, float softcap, bool vec, float* acc, T* og) {
+  // Soft-capping (Gemma 2): s = cap * tanh(s / cap), before the softmax, as transformers'
+  // eager attention orders it (a division, then tanh, then the product). 0: none.
+  if (softcap > 0.f) {
+    for (int64_t x = 0; x < G * n; ++x) scores[x] = std::tanh(scores[x] / softcap) * softcap;
+  }
+  // softmax per query head (max-subtracted, fp32)
+  for (int64_t j = 0; j < G; ++j) {
+    float* s = scores + j * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+    float sum = 0.f;
+    int64_t i = 0;
+#ifdef CONVOY_ATTN_AVX2
+    __m256 sum8 = _mm256_setzero_ps();
+    const __m256 mx8 = _mm256_set1_ps(mx);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mx8));
+      _mm256_storeu_ps(s + i, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    sum = hsum8(sum8);
+#endif
+    for (; i < n; ++i) {
+      s[i] = fast_exp(s[i] - mx);
+      sum += s[i];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+  }
+  // acc_j = sum_i p_j[i] * v_i, keys in order
+#ifdef CONVOY_ATTN_AVX2
+  if (vec) attend_vec<C>(G, nullptr, nullptr, vg, slots, n, D, fscale, scores, acc, true);
+#else
+  (void)fscale;
+#endif
+  if (!vec) std::fill(acc, acc + G * D, 0.f);
+  for (int64_t i = 0; i < n && !vec; ++i) {
+    const C* vrow = vg + slots[i] * D;
+    for (int64_t j = 0; j < G; ++j) {
+      const float p = scores[j * n + i];
+      float* a = acc + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vrow[d]);
+    }
+  }
+  for (int64_t x = 0; x < G * D; ++x) og[x] = static_cast<T>(acc[x]);
+}
+
 template <typename T, typename C>  // T: q and out, C: the cache
 void decode_attention_impl(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& bt, const at::Tensor& ln, int64_t block_size, float fscale,
@@ -185,65 +256,129 @@ void decode_attention_impl(const at::Tensor& qc, const at::Tensor& k_cache, cons
 #else
       const bool vec = false;
 #endif
-      // scores[j * n + i] = q_j . k_(first + i) * scale
-      for (int64_t i = 0; i < n && !vec; ++i) {
-        const C* krow = kg + slots[i] * D;
-        for (int64_t j = 0; j < G; ++j) {
-          const float* qrow = qf.data() + j * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qrow[d] * static_cast<float>(krow[d]);
-          scores[j * n + i] = dot * fscale;
-        }
-      }
-      // Soft-capping (Gemma 2): s = cap * tanh(s / cap), before the softmax, as transformers'
-      // eager attention orders it (a division, then tanh, then the product). 0: none.
-      if (softcap > 0.f) {
-        for (int64_t x = 0; x < G * n; ++x) scores[x] = std::tanh(scores[x] / softcap) * softcap;
-      }
-      // softmax per query head (max-subtracted, fp32)
-      for (int64_t j = 0; j < G; ++j) {
-        float* s = scores.data() + j * n;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-        float sum = 0.f;
-        int64_t i = 0;
+      if (!vec) qk_scalar<C>(qf.data(), kg, slots.data(), n, G, D, fscale, scores.data());
+      finish_row<T, C>(scores.data(), n, G, D, vg, slots.data(), fscale, softcap, vec, acc.data(),
+                       op + (b * H + g * G) * D);
+    }
+  });
+}
+
 #ifdef CONVOY_ATTN_AVX2
-        __m256 sum8 = _mm256_setzero_ps();
-        const __m256 mx8 = _mm256_set1_ps(mx);
-        for (; i + 8 <= n; i += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mx8));
-          _mm256_storeu_ps(s + i, e);
-          sum8 = _mm256_add_ps(sum8, e);
-        }
-        sum = hsum8(sum8);
+// Scores of R query rows (of one sequence, consecutive positions) x G heads over the same n
+// keys: each key row is loaded once for all R * G dot products, R * G independent FMA chains
+// (one row's G <= 3 chains left the FMA units waiting on latency). Every score is the same
+// chain of FMAs over D in chunks of 8, then hsum8, then * scale, as qk_scores computes it for
+// one row: the same bits. scores[(r * G + j) * n + i].
+template <int G, int R, typename C>
+void qk_tile(const float* qf, const C* kg, const int64_t* slots, int64_t n, int64_t D,
+             float scale, float* scores) {
+  for (int64_t i = 0; i < n; ++i) {
+    const C* krow = kg + slots[i] * D;
+    if (i + kAheadKeys < n) prefetch_row(kg + slots[i + kAheadKeys] * D, D);
+    __m256 a[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < G; ++j) a[r][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 k8 = load8(krow + d);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < G; ++j)
+          a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (r * G + j) * D + d), k8, a[r][j]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < G; ++j) scores[(r * G + j) * n + i] = hsum8(a[r][j]) * scale;
+  }
+}
+
+// Rows tiled per G: R * G <= 12 accumulators (of 16 registers). 0: G not tiled (scalar path).
+constexpr int tile_rows(int64_t G) { return G <= 3 ? 4 : G == 4 ? 3 : G <= 6 ? 2 : G <= 8 ? 1 : 0; }
+
+template <typename C>
+void qk_tile_any(int64_t G, const float* qf, const C* kg, const int64_t* slots, int64_t n,
+                 int64_t D, float scale, float* scores) {
+#define CONVOY_TILE(g)                                                          \
+  case g:                                                                       \
+    qk_tile<g, tile_rows(g), C>(qf, kg, slots, n, D, scale, scores);           \
+    return;
+  switch (G) {
+    CONVOY_TILE(1) CONVOY_TILE(2) CONVOY_TILE(3) CONVOY_TILE(4)
+    CONVOY_TILE(5) CONVOY_TILE(6) CONVOY_TILE(7) CONVOY_TILE(8)
+    default:
+      TORCH_CHECK(false, "qk_tile: G out of range");
+  }
+#undef CONVOY_TILE
+}
 #endif
-        for (; i < n; ++i) {
-          s[i] = fast_exp(s[i] - mx);
-          sum += s[i];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
-      }
-      // acc_j = sum_i p_j[i] * v_(first + i), keys in order
+
+// A prefill chunk's queries, each attended as the decode row of its position would be (its own
+// context length; keys from the cache, which holds the chunk's K/V already): the same bits as
+// decode_attention_impl per row, with the scores of a few rows computed together.
+template <typename T, typename C>
+void prefill_attention_impl(const at::Tensor& qc, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& table_t, int64_t start,
+                            int64_t block_size, float fscale, int64_t window, float softcap,
+                            at::Tensor& out) {
+  const int64_t Tq = qc.size(0), H = qc.size(1), D = qc.size(2);
+  const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), NB = table_t.size(0);
+  const int64_t G = H / Hkv;
+  const int64_t ctx = start + Tq;
+  TORCH_CHECK(start >= 0 && ctx <= NB * block_size, "context length out of range");
+  const T* qp = qc.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  const int64_t* table = table_t.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  std::vector<int64_t> slots(ctx);  // of every key of the sequence, shared by all rows
+  for (int64_t t = 0; t < ctx; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    TORCH_CHECK(slot >= 0 && slot < S, "slot out of range");
+    slots[t] = slot;
+  }
 #ifdef CONVOY_ATTN_AVX2
-      if (vec) {
-        attend_vec<C>(G, qf.data(), kg, vg, slots.data(), n, D, fscale, scores.data(), acc.data(),
-                      true);
+  const int R = D % 8 == 0 ? tile_rows(G) : 0;
+#else
+  const int R = 0;
+#endif
+  const int64_t rows_per_item = R > 0 ? R : 1;
+  const int64_t tiles = (Tq + rows_per_item - 1) / rows_per_item;
+  at::parallel_for(0, tiles * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile_scores, scores, acc(G * D), qf(rows_per_item * G * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item / Hkv, g = item % Hkv;
+      const int64_t r0 = tile * rows_per_item;
+      const int64_t nr = std::min(rows_per_item, Tq - r0);
+      const C* kg = kp + g * S * D;
+      const C* vg = vp + g * S * D;
+      std::fill(qf.begin(), qf.end(), 0.f);
+      for (int64_t r = 0; r < nr; ++r) {
+        const T* qg = qp + ((r0 + r) * H + g * G) * D;
+        for (int64_t x = 0; x < G * D; ++x) qf[r * G * D + x] = static_cast<float>(qg[x]);
+      }
+      // keys [lo, hi) cover every row of the tile; row r uses [first_r, len_r) of them
+      const int64_t hi = start + r0 + nr;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, start + r0 + 1 - window) : 0;
+      const int64_t span = hi - lo;
+#ifdef CONVOY_ATTN_AVX2
+      if (R > 0) {
+        tile_scores.resize(rows_per_item * G * span);
+        qk_tile_any<C>(G, qf.data(), kg, slots.data() + lo, span, D, fscale, tile_scores.data());
       }
 #endif
-      if (!vec) std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < n && !vec; ++i) {
-        const C* vrow = vg + slots[i] * D;
-        for (int64_t j = 0; j < G; ++j) {
-          const float p = scores[j * n + i];
-          float* a = acc.data() + j * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vrow[d]);
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t len = start + r0 + r + 1;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const int64_t n = len - first;
+        scores.resize(G * n);
+        if (R > 0) {  // this row's keys out of the tile's, compact as decode lays them out
+          for (int64_t j = 0; j < G; ++j)
+            std::copy_n(tile_scores.data() + (r * G + j) * span + (first - lo), n,
+                        scores.data() + j * n);
+        } else {
+          qk_scalar<C>(qf.data() + r * G * D, kg, slots.data() + first, n, G, D, fscale,
+                       scores.data());
         }
+        finish_row<T, C>(scores.data(), n, G, D, vg, slots.data() + first, fscale, softcap,
+                         R > 0, acc.data(), op + ((r0 + r) * H + g * G) * D);
       }
-      T* og = op + (b * H + g * G) * D;
-      for (int64_t x = 0; x < G * D; ++x) og[x] = static_cast<T>(acc[x]);
     }
   });
 }
@@ -304,6 +439,57 @@ at::Tensor decode_attention(
   return out;
 }
 
+template <typename T>
+void dispatch_prefill(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& table, int64_t start, int64_t block_size, float fs,
+                      int64_t window, float cap, at::Tensor& out) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      prefill_attention_impl<T, float>(qc, k_cache, v_cache, table, start, block_size, fs, window,
+                                       cap, out);
+      break;
+    case at::kBFloat16:
+      prefill_attention_impl<T, at::BFloat16>(qc, k_cache, v_cache, table, start, block_size, fs,
+                                              window, cap, out);
+      break;
+    default:
+      prefill_attention_impl<T, at::Half>(qc, k_cache, v_cache, table, start, block_size, fs,
+                                          window, cap, out);
+  }
+}
+
+at::Tensor prefill_attention(
+    const at::Tensor& q,            // (T, H, D) fp32 or bf16: one sequence's chunk of queries
+    const at::Tensor& k_cache,      // (Hkv, num_slots, D), holding the chunk's K/V already
+    const at::Tensor& v_cache,
+    const at::Tensor& block_table,  // (NB,) int64: the sequence's blocks, in order
+    int64_t start,                  // position of the chunk's first query
+    int64_t block_size, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
+  const auto dt = q.scalar_type();
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && v_cache.scalar_type() == ct &&
+                  (ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf),
+              "q fp32 or bf16; the cache fp32, bf16 or fp16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1, "int64 (NB,)");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor table = block_table.contiguous();
+  const int64_t H = qc.size(1), D = qc.size(2), Hkv = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes() && H % Hkv == 0, "shapes");
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
+  at::Tensor out = at::empty(qc.sizes(), qc.options());
+  const float fs = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap);
+  if (dt == at::kFloat) {
+    dispatch_prefill<float>(qc, k_cache, v_cache, table, start, block_size, fs, window, cap, out);
+  } else {
+    dispatch_prefill<at::BFloat16>(qc, k_cache, v_cache, table, start, block_size, fs, window,
+                                   cap, out);
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace convoy {
@@ -320,8 +506,12 @@ TORCH_LIBRARY(convoy, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor lens, int block_size, float scale, int window, float softcap) -> Tensor");
+  m.def(
+      "prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "int start, int block_size, float scale, int window, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(convoy, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
 }
