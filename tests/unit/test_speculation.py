@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 from convoy.engine.scheduler import _worth
@@ -85,7 +86,9 @@ def test_acceptance_sets_the_draft_length_and_misses_back_off_lookup() -> None:
 
 def test_a_draft_row_runs_only_while_its_chance_beats_what_a_row_costs() -> None:
     costs = StepCosts()
-    assert costs.threshold(8) == 0.0  # nothing measured: try
+    assert costs.threshold(8) == math.inf  # a step of this size is measured without drafts first
+    costs.record(8, 0.050)
+    assert costs.threshold(8) == 0.0  # then drafts are tried
     assert costs.explore_cap(8) == 16  # one bucket up at a time
     for _ in range(5):  # memory-bound: 16 rows cost what 8 do
         costs.record(8, 0.050)

@@ -457,7 +457,7 @@ def _worth(acceptance: float, threshold: float) -> int:
     (token i is kept with about acceptance ** i); at most 64."""
     if threshold <= 0.0:
         return 64
-    if acceptance <= threshold:
+    if acceptance <= threshold:  # inf included
         return 0
     return min(64, int(math.log(threshold) / math.log(min(acceptance, 0.999))))
 

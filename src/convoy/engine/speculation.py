@@ -248,11 +248,14 @@ class StepCosts:
     def threshold(self, rows: int) -> float:
         """The least chance of being kept that makes a draft row worth adding to a step of
         `rows` rows: (seconds one more row adds) / (seconds per row of the step as it is),
-        from this bucket and the next measured one above it; 0 (try) where either is not
-        measured yet."""
+        from this bucket and the next measured one above it. While this bucket is not measured
+        yet, no draft (inf: a step of this size without drafts is measured first); while none
+        above it is, 0 (try, within `explore_cap`)."""
         b = self.bucket(rows)
+        if b not in self.seconds:
+            return math.inf
         above = [c for c in self.seconds if c > b]
-        if b not in self.seconds or not above:
+        if not above:
             return 0.0
         c = min(above)
         r0, t0, r1, t1 = self.rows[b], self.seconds[b], self.rows[c], self.seconds[c]
