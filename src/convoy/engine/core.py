@@ -126,13 +126,10 @@ class EngineCore:
         self, grammar: GrammarMatcher, draft: list[int], rows: list[SamplerRow]
     ) -> None:
         """The mask of each draft position: the grammar's state after the draft tokens before
-        it (the scheduler kept only tokens the grammar allows), then rolled back: the kept
-        tokens are accepted for real once the step is verified."""
+        it (the scheduler kept only tokens the grammar allows), from a copy of the matcher: the
+        kept tokens are accepted for real once the step is verified."""
         masks = np.zeros((len(rows), self.grammars.num_words), dtype=np.int32)
-        for i, token_id in enumerate(draft):
-            grammar.accept(token_id)
-            grammar.fill(masks, i)
-        grammar.rollback(len(draft))
+        grammar.draft_masks(draft, masks)
         for row, mask in zip(rows, masks, strict=True):
             row.bitmask = mask
 

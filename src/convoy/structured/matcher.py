@@ -47,9 +47,16 @@ class GrammarMatcher:
         n: int = self._matcher.validate_tokens(token_ids)
         return n
 
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens (a draft's, after its masks are filled)."""
-        self._matcher.rollback(num_tokens)
+    def draft_masks(self, token_ids: list[int], bitmask: Bitmask) -> None:
+        """Row i of `bitmask`: the tokens allowed after `token_ids[: i + 1]` (a draft's
+        positions), from a copy: this matcher is not advanced. Past a token the grammar does
+        not take, the rows repeat the last mask (those positions are never kept)."""
+        copy = self._matcher.deep_copy()
+        for i, token_id in enumerate(token_ids):
+            if copy.is_error() or not copy.consume_token(token_id):
+                bitmask[i:] = bitmask[i - 1] if i else 0
+                return
+            fill_next_token_bitmask(copy, bitmask, i)
 
     @property
     def is_finished(self) -> bool:
