@@ -218,6 +218,10 @@ def test_drafts_are_verified_kept_and_their_blocks_given_back() -> None:
     assert eng.steps < 12  # 30 tokens in far fewer steps than 30
     sched = eng.sched
     assert sched.num_accepted_draft_tokens == sched.num_draft_tokens > 20
+    # no draft reaches past max_tokens: the last sampled token is never computed
+    assert sched.num_computed_tokens == sum(
+        r.num_prompt_tokens + r.num_output_tokens - 1 for r in reqs
+    )
     assert eng.bm.num_used_blocks == 0
 
 

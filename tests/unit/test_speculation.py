@@ -68,6 +68,7 @@ def test_acceptance_sets_the_draft_length_and_misses_back_off_lookup() -> None:
     for _ in range(10):
         d.record(4, 4)
     assert d.budget(8) == 8  # always kept: the longest drafts
+    assert d.budget(0) == 0  # no room left (max_tokens): no draft
     for _ in range(3):
         d.source = "lookup"
         d.record(4, 0)

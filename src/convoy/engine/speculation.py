@@ -208,7 +208,9 @@ class Drafter:
 
     def budget(self, k_max: int) -> int:
         """Draft tokens worth proposing now: while the chance that all of them are kept stays
-        above a tenth, at least one, at most k_max."""
+        above a tenth, at least one, at most k_max (none when k_max is 0)."""
+        if k_max <= 0:  # no room (max_tokens, the context, the step's budget)
+            return 0
         a = min(self.acceptance, 0.99)
         if a <= 0.0:
             return 1
