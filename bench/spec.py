@@ -4,8 +4,10 @@
     python bench/spec.py --model gemma3-270m --files 10   # fewer edit files
     python bench/spec.py --workloads edit --concurrency 1 --skip-llama
 
-Three workloads of chat requests (greedy, `/v1/chat/completions`), each run by three servers one
-at a time on 127.0.0.1, on the same GGUF:
+Three workloads of chat requests (greedy, `/v1/chat/completions`), each run by three servers on
+127.0.0.1 on the same GGUF, all started at once and taking turns (one runs while the others idle;
+--rounds R passes each, in a rotating order, and the median is reported with the spread, so the
+VM's drift hits every server alike):
 - edit: --files pieces of 300-800 tokens of Convoy's own source; the request asks for the piece
   back with a line added at the top and sends the piece as `prediction` (OpenAI's predicted
   outputs); max_tokens = the piece's tokens + 48;
@@ -29,6 +31,7 @@ import asyncio
 import os
 import random
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -159,6 +162,22 @@ def metric(srv: Server, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def one_run(
+    srv: Server, batch: list[Req], n: int, args: argparse.Namespace
+) -> tuple[dict[str, float], list[str]]:
+    """One pass of `batch` with n clients against `srv`: its row and its answers."""
+    wait_idle(args.wait_idle)
+    d0, a0 = (metric(srv, f"convoy_spec_decode_{k}_tokens_total") for k in ("draft", "accepted"))
+    (b0, t0), s0 = machine_cpu(), tree_stats(srv.proc.pid)[1]
+    wall, tokens, texts = asyncio.run(run_requests(srv, batch, n, args.timeout))
+    (b1, t1), s1 = machine_cpu(), tree_stats(srv.proc.pid)[1]
+    d1, a1 = (metric(srv, f"convoy_spec_decode_{k}_tokens_total") for k in ("draft", "accepted"))
+    others = max(0.0, (b1 - b0) - (s1 - s0)) / max(t1 - t0, 1e-9)
+    row = {"tok_s": tokens / wall, "wall": wall, "tokens": tokens,
+           "drafted": d1 - d0, "kept": a1 - a0, "others": others}  # fmt: skip
+    return row, texts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
@@ -168,6 +187,7 @@ def main() -> None:
     add("--workloads", default="edit,quote,chat")
     add("--concurrency", default="1,64")
     add("--seed", type=int, default=0)
+    add("--rounds", type=int, default=1, help="passes of each row per server, taking turns (median)")
     add("--skip-llama", action="store_true")
     add("--wait-idle", type=float, default=20)
     add("--timeout", type=float, default=1800)
@@ -195,32 +215,41 @@ def main() -> None:
                                          "-c", str(slots * ctx), "-t", str(cores), "--no-webui"]))  # fmt: skip
     results: dict[tuple[str, str, int], dict[str, float]] = {}
     answers: dict[tuple[str, str, int], list[str]] = {}
-    for name, cmd in servers:
-        srv = Server(name, cmd, "127.0.0.1")
-        try:
+    live = [Server(name, cmd, "127.0.0.1") for name, cmd in servers]
+    try:
+        for srv in live:
             srv.wait_ready(900)
             asyncio.run(run_requests(srv, chat_requests(2), 2, args.timeout))  # warm-up
-            for wl, reqs in workloads.items():
-                for n in concurrency:
-                    batch = (reqs * (-(-n // len(reqs))))[: max(n, len(reqs))]
-                    wait_idle(args.wait_idle)
-                    d0, a0 = (metric(srv, f"convoy_spec_decode_{k}_tokens_total") for k in ("draft", "accepted"))
-                    (b0, t0), s0 = machine_cpu(), tree_stats(srv.proc.pid)[1]
-                    wall, tokens, texts = asyncio.run(run_requests(srv, batch, n, args.timeout))
-                    (b1, t1), s1 = machine_cpu(), tree_stats(srv.proc.pid)[1]
-                    d1, a1 = (metric(srv, f"convoy_spec_decode_{k}_tokens_total") for k in ("draft", "accepted"))
-                    others = max(0.0, (b1 - b0) - (s1 - s0)) / max(t1 - t0, 1e-9)
-                    row = {"tok_s": tokens / wall, "wall": wall, "tokens": tokens,
-                           "drafted": d1 - d0, "kept": a1 - a0, "others": others}  # fmt: skip
-                    results[(name, wl, n)] = row
-                    answers[(name, wl, n)] = texts
-                    log(f"{name} {wl} x{n}: {row['tok_s']:.1f} tok/s, {tokens} tokens in {wall:.1f} s,"
-                        f" kept {a1 - a0:.0f}/{d1 - d0:.0f} drafts, others' CPU {others:.0%}")  # fmt: skip
-        finally:
+        for wl, reqs in workloads.items():
+            for n in concurrency:
+                batch = (reqs * (-(-n // len(reqs))))[: max(n, len(reqs))]
+                rounds: dict[str, list[dict[str, float]]] = {srv.name: [] for srv in live}
+                for r in range(args.rounds):
+                    # the servers take turns, in an order that rotates every round
+                    for srv in live[r % len(live) :] + live[: r % len(live)]:
+                        row, texts = one_run(srv, batch, n, args)
+                        rounds[srv.name].append(row)
+                        key = (srv.name, wl, n)
+                        if key in answers and texts != answers[key]:
+                            log(f"{srv.name} {wl} x{n}: round {r} answered differently")
+                            row["changed"] = 1.0
+                        answers.setdefault(key, texts)
+                        log(f"{srv.name} {wl} x{n} round {r}: {row['tok_s']:.1f} tok/s, "
+                            f"{row['tokens']:.0f} tokens in {row['wall']:.1f} s, kept "
+                            f"{row['kept']:.0f}/{row['drafted']:.0f} drafts, others' CPU {row['others']:.0%}")  # fmt: skip
+                for name, rows in rounds.items():
+                    med = statistics.median(x["tok_s"] for x in rows)
+                    results[(name, wl, n)] = {
+                        "tok_s": med, "tokens": sum(x["tokens"] for x in rows),
+                        "drafted": sum(x["drafted"] for x in rows), "kept": sum(x["kept"] for x in rows),
+                        "others": max(x["others"] for x in rows), "spread": (max(x["tok_s"] for x in rows) - min(x["tok_s"] for x in rows)) / med,
+                    }  # fmt: skip
+    finally:
+        for srv in live:
             srv.stop()
     print(f"\n{gguf.name}, {cores} threads; tokens/s (x Convoy without drafts; x llama-server)\n")
-    print("| workload | streams | llama-server | Convoy, off | Convoy | kept drafts | tokens/step | same text | others' CPU |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | streams | llama-server | Convoy, off | Convoy | kept drafts | tokens/step | same text | others' CPU | spread off / on |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for wl in workloads:
         for n in concurrency:
             off, on = results[("convoy-off", wl, n)], results[("convoy", wl, n)]
@@ -232,7 +261,7 @@ def main() -> None:
             others = max(on["others"], off["others"], llama["others"] if llama else 0.0)
             print(f"| {wl} | {n} | {llama['tok_s']:.1f} | " if llama else f"| {wl} | {n} | - | ", end="")
             print(f"{off['tok_s']:.1f} | {on['tok_s']:.1f} ({on['tok_s'] / off['tok_s']:.2f}x){vs_llama}"
-                  f" | {kept} | {per_step:.2f} | {same}/{len(answers[('convoy', wl, n)])} | {others:.0%} |")  # fmt: skip
+                  f" | {kept} | {per_step:.2f} | {same}/{len(answers[('convoy', wl, n)])} | {others:.0%} | {off['spread']:.0%} / {on['spread']:.0%} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -234,9 +234,12 @@ def test_sampling_with_drafts_keeps_the_model_distribution(quantized: LLM) -> No
             tuple(o.outputs[0].token_ids) for o in quantized.generate([prompt] * n, free)
         )
     kept = quantized.core.scheduler.num_accepted_draft_tokens
-    b = collections.Counter(
-        tuple(o.outputs[0].token_ids) for o in quantized.generate([prompt] * n, drafted)
-    )
+    # "ngram": every step drafts (in "auto" the step-cost rule may hold a 600-row step's
+    # drafts back, depending on what earlier tests taught the engine)
+    with speculative(quantized, "ngram"):
+        b = collections.Counter(
+            tuple(o.outputs[0].token_ids) for o in quantized.generate([prompt] * n, drafted)
+        )
     assert quantized.core.scheduler.num_accepted_draft_tokens - kept > n // 10
     stat, dof = _chi_square(a, b)
     assert stat < _chi_square_critical(dof), (stat, dof, a.most_common(5), b.most_common(5))

@@ -262,7 +262,10 @@ _scratch_space = threading.local()  # each sampling thread's (rows x vocab) work
 
 def _scratch(n: int, v: int) -> torch.Tensor:
     buf: torch.Tensor | None = getattr(_scratch_space, "buf", None)
-    if buf is None or buf.numel() < n * v:
+    # NOTE: a buffer made under inference mode cannot be written outside it (the engine samples
+    # inside it; a caller of the sampler in the same thread may not)
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or stale or buf.numel() < n * v:
         buf = _scratch_space.buf = torch.empty(n * v)
     return buf[: n * v].view(n, v)
 
