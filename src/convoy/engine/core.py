@@ -95,8 +95,12 @@ class EngineCore:
             runner_out = self.worker.execute(sched.seqs)
             # what drafts cost: steps of decode rows (and verifications) only, not prefills
             if all(seq.draft or len(seq.token_ids) == 1 for seq in sched.seqs):
+                seconds = time.perf_counter() - start
                 rows = sum(len(seq.token_ids) for seq in sched.seqs)
-                self.scheduler.step_costs.record(rows, time.perf_counter() - start)
+                self.scheduler.step_costs.record(rows, seconds)
+                tokens = sum(map(len, runner_out.sampled_token_ids.values()))
+                drafted = rows > len(sched.seqs)
+                self.scheduler.draft_gate.record(len(sched.seqs), drafted, tokens, seconds)
             deltas = self._process_outputs(self.scheduler.update_from_output(sched, runner_out))
         except Exception as e:
             failed = frozenset(req.parent_id or req.req_id for req, _ in sched.scheduled)

@@ -34,7 +34,7 @@ from convoy.engine import pooling
 from convoy.engine.block_manager import BlockManager, hash_prompt_blocks
 from convoy.engine.request import Priority, Request, RequestStatus
 from convoy.engine.seq_queues import SeqQueues
-from convoy.engine.speculation import Drafter, StepCosts
+from convoy.engine.speculation import Drafter, DraftGate, StepCosts
 from convoy.outputs import FinishReason, PositionLogprobs
 from convoy.sampling_params import Pooling
 from convoy.worker.batch import ModelRunnerOutput, PromptScoring, SamplerRow, ScheduledSeq
@@ -83,6 +83,7 @@ class Scheduler:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.lookup_ngrams = (config.prompt_lookup_min, config.prompt_lookup_max)
         self.step_costs = StepCosts()  # EngineCore records each step's time by rows
+        self.draft_gate = DraftGate()  # and what decode steps gave with drafts and without
         self.num_draft_tokens = 0  # totals since start
         self.num_accepted_draft_tokens = 0
         self.num_preemptions = 0
@@ -145,6 +146,8 @@ class Scheduler:
         rows = sum(num_new for _, num_new in out.scheduled)
         budget = self.max_num_batched_tokens - rows
         lookup = self.speculative in ("auto", "ngram")
+        if self.speculative == "auto" and not self.draft_gate.allow(len(out.scheduled)):
+            return
         if self.speculative == "auto" and (cap := self.step_costs.explore_cap(rows)) is not None:
             budget = min(budget, cap - rows)  # learn the next bucket's cost before going past it
         for i, (req, num_new) in enumerate(out.scheduled):
@@ -210,8 +213,9 @@ class Scheduler:
                 req.finish_reason = FinishReason.LENGTH
             else:
                 self._append_tokens(req, token_ids, runner_out)
-                if req.drafter is not None:
-                    req.drafter.sync(req.token_ids)
+                if req.drafter is not None and req.drafter.prediction is not None:
+                    req.drafter.sync(req.token_ids)  # (usage counts the prediction's matches;
+                    # a lookup index catches up when it next drafts)
             if req.finish_reason is not None:
                 self._free(req)
             elif draft:
