@@ -42,12 +42,20 @@ lint: install-test
 	$(VENV)/bin/ruff check src tests $(wildcard bench)
 	$(VENV)/bin/mypy
 
+# Two workers (pytest-xdist), each process (servers and Ray actors included) at one torch
+# thread: while one worker waits on a server, Ray or a sleep, the other computes, and no
+# two OpenMP teams fight over the cores (two workers at two threads each ran 16 min, not 8).
+# A module's tests, and tests/cluster whole, stay on one worker (tests/conftest.py).
+# Thread counts change no bit: tests/engine/test_quantized.py and test_moe_kernel.py check.
+WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n $(WORKERS)
+
 test: install-test browser lint
-	$(VENV)/bin/pytest -q -x --durations=15 $(ARGS)
+	$(PYTEST) -q -x --durations=15 $(ARGS)
 
 # The developers' lane: unit and engine tests, no servers, no Ray, no slow model loads.
 test-fast: install-test
-	$(VENV)/bin/pytest -q -x tests/unit tests/engine -m "not slow" $(ARGS)
+	$(PYTEST) -q -x tests/unit tests/engine -m "not slow" $(ARGS)
 
 bench: install-test
 	$(PY) bench/throughput.py $(ARGS)

@@ -16,3 +16,19 @@ def cpu_kernels() -> None:
     if not kernels.has_compiler():
         pytest.skip("no C++ compiler")
     kernels.build()
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (`make test` runs two workers): a module's tests stay on one worker
+    (its module fixtures start once), and tests/cluster stays on one worker whole (the
+    session's one Ray cluster)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith("tests/cluster/"):
+                return "tests/cluster"
+            return nodeid.split("::", 1)[0]
+
+    return ByModule(config, log)

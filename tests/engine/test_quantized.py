@@ -75,6 +75,24 @@ def test_batched_equals_alone(quantized: LLM) -> None:
     assert [o.outputs[0].token_ids for o in batch] == alone
 
 
+def test_the_thread_count_changes_no_bit(quantized: LLM) -> None:
+    """`make test` runs with OMP_NUM_THREADS=1 (two test workers on two cores): here the same
+    steps at 1, 2 and 3 threads (every kernel's split of the work) give the same tokens and
+    logprobs, batched and alone, with a prompt long enough to be prefilled in chunks."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [*prompts16()[:5], " ".join(prompts16()) * 3]
+    saved = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs = [*quantized.generate(prompts, params), quantized.generate(prompts[:1], params)[0]]
+            runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    finally:
+        torch.set_num_threads(saved)
+    assert runs[0] == runs[1] == runs[2]
+
+
 def test_seeded_sampling_is_batch_invariant(quantized: LLM) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
     prompts = prompts16()[8:14]
