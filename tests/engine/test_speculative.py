@@ -124,14 +124,7 @@ def test_greedy_output_is_the_same_with_and_without_drafts(quantized: LLM) -> No
 def test_greedy_identity_in_the_exact_mode(llm: LLM) -> None:
     """fp32 (oneDNN linears): a verification step's rows give the tokens decode rows give."""
     prompts = repeat_prompts(llm)[:4] + prompts16()[:4]
-    params = SamplingParams(temperature=0, max_tokens=64)
-    with speculative(llm, "off"):
-        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    kept = llm.core.scheduler.num_accepted_draft_tokens
-    with speculative(llm, "ngram"):
-        spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert spec == plain
-    assert llm.core.scheduler.num_accepted_draft_tokens > kept
+    _assert_drafts_change_no_token(llm, prompts, SamplingParams(temperature=0, max_tokens=64))
 
 
 def test_seeded_sampling_is_the_same_with_and_without_drafts(quantized: LLM) -> None:
@@ -140,13 +133,20 @@ def test_seeded_sampling_is_the_same_with_and_without_drafts(quantized: LLM) -> 
         SamplingParams(temperature=0.7, top_p=0.95, seed=100 + i, max_tokens=64)
         for i in range(len(prompts))
     ]
-    with speculative(quantized, "off"):
-        plain = [o.outputs[0].token_ids for o in quantized.generate(prompts, params)]
-    kept = quantized.core.scheduler.num_accepted_draft_tokens
-    with speculative(quantized, "ngram"):
-        spec = [o.outputs[0].token_ids for o in quantized.generate(prompts, params)]
+    _assert_drafts_change_no_token(quantized, prompts, params)
+
+
+def _assert_drafts_change_no_token(
+    llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams]
+) -> None:
+    """The same tokens without drafts and with drafts in every step ("ngram"), some kept."""
+    with speculative(llm, "off"):
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    kept = llm.core.scheduler.num_accepted_draft_tokens
+    with speculative(llm, "ngram"):
+        spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert spec == plain
-    assert quantized.core.scheduler.num_accepted_draft_tokens > kept
+    assert llm.core.scheduler.num_accepted_draft_tokens > kept
 
 
 def test_a_prediction_drafts_the_output_and_counts_its_tokens(quantized: LLM) -> None:
