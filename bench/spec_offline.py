@@ -13,12 +13,10 @@ bench/README.md ("Speculative decoding").
 from __future__ import annotations
 
 import argparse
-import collections
 import time
-from collections.abc import Callable
-from typing import Any
 
 from convoy import LLM, SamplingParams
+from profile_step import Timers
 from spec import edit_requests
 
 
@@ -34,23 +32,11 @@ def main() -> None:
     prompts = [tok.apply_chat_template(r.messages) for r in reqs]
     core = llm.core
     sch = core.scheduler
-    parts: collections.Counter[str] = collections.Counter()
-
-    def timed(obj: Any, name: str) -> None:
-        f: Callable[..., Any] = getattr(obj, name)
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                parts[name] += time.perf_counter() - t
-
-        setattr(obj, name, wrapper)
-
+    timers = Timers()  # (profile_step.py's: a method wrapped to add its seconds to a phase)
     for obj, name in [(sch, "schedule"), (sch, "_add_drafts"), (core.worker, "execute"),
                       (sch, "update_from_output"), (core, "_process_outputs")]:  # fmt: skip
-        timed(obj, name)
+        timers.wrap(obj, name, name)
+    timers.on = True
     for mode in args.modes.split(","):
         sch.speculative = mode
         params = [
@@ -58,13 +44,13 @@ def main() -> None:
                            prediction=tok.encode(r.prediction or "", add_special_tokens=False))
             for r in reqs
         ]  # fmt: skip
-        parts.clear()
+        timers.acc.clear()
         kept0 = sch.num_accepted_draft_tokens
         t = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        split = " ".join(f"{k} {v:.1f} s" for k, v in parts.items())
+        split = " ".join(f"{k} {v:.1f} s" for k, v in timers.acc.items())
         print(f"{mode}: {tokens / wall:.1f} tokens/s, {wall:.1f} s, kept drafts "
               f"{sch.num_accepted_draft_tokens - kept0} | {split}", flush=True)  # fmt: skip
         costs = sch.step_costs
