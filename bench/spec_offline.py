@@ -33,27 +33,27 @@ def main() -> None:
     core = llm.core
     sch = core.scheduler
     timers = Timers()  # (profile_step.py's: a method wrapped to add its seconds to a phase)
-    for obj, name in [(sch, "schedule"), (sch, "_add_drafts"), (core.worker, "execute"),
+    for obj, name in [(sch, "schedule"), (sch.drafts, "add_drafts"), (core.worker, "execute"),
                       (sch, "update_from_output"), (core, "_process_outputs")]:  # fmt: skip
         timers.wrap(obj, name, name)
     timers.on = True
     for mode in args.modes.split(","):
-        sch.speculative = mode
+        sch.drafts.mode = mode
         params = [
             SamplingParams(temperature=0, max_tokens=r.max_tokens,
                            prediction=tok.encode(r.prediction or "", add_special_tokens=False))
             for r in reqs
         ]  # fmt: skip
         timers.acc.clear()
-        kept0 = sch.num_accepted_draft_tokens
+        kept0 = sch.drafts.num_accepted_draft_tokens
         t = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         split = " ".join(f"{k} {v:.1f} s" for k, v in timers.acc.items())
         print(f"{mode}: {tokens / wall:.1f} tokens/s, {wall:.1f} s, kept drafts "
-              f"{sch.num_accepted_draft_tokens - kept0} | {split}", flush=True)  # fmt: skip
-        costs = sch.step_costs
+              f"{sch.drafts.num_accepted_draft_tokens - kept0} | {split}", flush=True)  # fmt: skip
+        costs = sch.drafts.step_costs
         learnt = {b: f"{costs.rows[b]:.0f} rows {costs.seconds[b] * 1e3:.0f} ms" for b in sorted(costs.seconds)}
         print(f"  step costs: {learnt}", flush=True)
 

@@ -167,13 +167,13 @@ def _assert_fused_layers_equal_per_op(llm: LLM, monkeypatch: pytest.MonkeyPatch)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     model.forward = capture
     # steps of decode rows only: no draft to verify (a verification step runs the per-op path)
-    mode, llm.core.scheduler.speculative = llm.core.scheduler.speculative, "off"
+    mode, llm.core.scheduler.drafts.mode = llm.core.scheduler.drafts.mode, "off"
     try:
         llm.generate(prompts16()[:1], params)
         llm.generate(prompts16()[:5], params)
     finally:
         del model.forward
-        llm.core.scheduler.speculative = mode
+        llm.core.scheduler.drafts.mode = mode
     assert {int(ids.shape[0]) for ids, _, _ in steps} >= {1, 5}
     calls = []
     fused_layer = llama.kernels.decode_layer

@@ -51,12 +51,12 @@ def quantized(cpu_kernels: None) -> LLM:
 
 @contextmanager
 def speculative(llm: LLM, mode: str) -> Iterator[None]:
-    scheduler = llm.core.scheduler
-    before, scheduler.speculative = scheduler.speculative, mode
+    planner = llm.core.scheduler.drafts
+    before, planner.mode = planner.mode, mode
     try:
         yield
     finally:
-        scheduler.speculative = before
+        planner.mode = before
 
 
 def tokens_and_logprobs(outs: list[RequestOutput]) -> list[tuple[list[int], list[float]]]:
@@ -142,11 +142,11 @@ def _assert_drafts_change_no_token(
     """The same tokens without drafts and with drafts in every step ("ngram"), some kept."""
     with speculative(llm, "off"):
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    kept = llm.core.scheduler.num_accepted_draft_tokens
+    kept = llm.core.scheduler.drafts.num_accepted_draft_tokens
     with speculative(llm, "ngram"):
         spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert spec == plain
-    assert llm.core.scheduler.num_accepted_draft_tokens > kept
+    assert llm.core.scheduler.drafts.num_accepted_draft_tokens > kept
 
 
 def test_a_prediction_drafts_the_output_and_counts_its_tokens(quantized: LLM) -> None:
@@ -233,14 +233,14 @@ def test_sampling_with_drafts_keeps_the_model_distribution(quantized: LLM) -> No
         a = collections.Counter(
             tuple(o.outputs[0].token_ids) for o in quantized.generate([prompt] * n, free)
         )
-    kept = quantized.core.scheduler.num_accepted_draft_tokens
+    kept = quantized.core.scheduler.drafts.num_accepted_draft_tokens
     # "ngram": every step drafts (in "auto" the step-cost rule may hold a 600-row step's
     # drafts back, depending on what earlier tests taught the engine)
     with speculative(quantized, "ngram"):
         b = collections.Counter(
             tuple(o.outputs[0].token_ids) for o in quantized.generate([prompt] * n, drafted)
         )
-    assert quantized.core.scheduler.num_accepted_draft_tokens - kept > n // 10
+    assert quantized.core.scheduler.drafts.num_accepted_draft_tokens - kept > n // 10
     stat, dof = _chi_square(a, b)
     assert stat < _chi_square_critical(dof), (stat, dof, a.most_common(5), b.most_common(5))
 

@@ -217,7 +217,7 @@ def test_drafts_are_verified_kept_and_their_blocks_given_back() -> None:
     assert all(r.finish_reason == FinishReason.LENGTH for r in reqs)
     assert eng.steps < 12  # 30 tokens in far fewer steps than 30
     sched = eng.sched
-    assert sched.num_accepted_draft_tokens == sched.num_draft_tokens > 20
+    assert sched.drafts.num_accepted_draft_tokens == sched.drafts.num_draft_tokens > 20
     # no draft reaches past max_tokens: the last sampled token is never computed
     assert sched.num_computed_tokens == sum(
         r.num_prompt_tokens + r.num_output_tokens - 1 for r in reqs
@@ -240,5 +240,5 @@ def test_a_rejected_draft_gives_its_blocks_back_and_its_positions_are_computed_a
             assert len(req.block_table) <= -(-req.num_tokens // BS)
             assert req.num_computed_tokens == req.num_tokens - 1
             assert req.num_computed_tokens - before <= scheduled[req.req_id]
-    assert eng.sched.num_draft_tokens > eng.sched.num_accepted_draft_tokens  # some rejected
+    assert eng.sched.drafts.num_draft_tokens > eng.sched.drafts.num_accepted_draft_tokens  # some rejected
     assert req.num_output_tokens == 40 and eng.bm.num_used_blocks == 0

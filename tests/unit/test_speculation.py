@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from convoy.engine.scheduler import _worth
+from convoy.engine.draft_planner import worth
 from convoy.engine.speculation import Drafter, DraftGate, NgramIndex, StepCosts, find_in
 from convoy.worker.worker import accepted_prefix
 
@@ -100,9 +100,9 @@ def test_a_draft_row_runs_only_while_its_chance_beats_what_a_row_costs() -> None
         costs.record(64, 0.5)
         costs.record(128, 1.0)
     assert costs.threshold(64) > 0.95
-    assert _worth(0.9, costs.threshold(64)) == 0  # even a 90% draft is not worth a row there
-    assert _worth(0.9, costs.threshold(8)) > 8
-    assert _worth(0.5, 0.2) == 2  # 0.5, 0.25 pass; 0.125 does not
+    assert worth(0.9, costs.threshold(64)) == 0  # even a 90% draft is not worth a row there
+    assert worth(0.9, costs.threshold(8)) > 8
+    assert worth(0.5, 0.2) == 2  # 0.5, 0.25 pass; 0.125 does not
     costs.record(1000, 8.0)  # a prefill step far above: the slope from 128 to it, per row
     assert 0.95 < costs.threshold(128) < 1.05
 

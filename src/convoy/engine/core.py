@@ -97,10 +97,10 @@ class EngineCore:
             if all(seq.draft or len(seq.token_ids) == 1 for seq in sched.seqs):
                 seconds = time.perf_counter() - start
                 rows = sum(len(seq.token_ids) for seq in sched.seqs)
-                self.scheduler.step_costs.record(rows, seconds)
+                self.scheduler.drafts.step_costs.record(rows, seconds)
                 tokens = sum(map(len, runner_out.sampled_token_ids.values()))
                 drafted = rows > len(sched.seqs)
-                self.scheduler.draft_gate.record(len(sched.seqs), drafted, tokens, seconds)
+                self.scheduler.drafts.draft_gate.record(len(sched.seqs), drafted, tokens, seconds)
             deltas = self._process_outputs(self.scheduler.update_from_output(sched, runner_out))
         except Exception as e:
             failed = frozenset(req.parent_id or req.req_id for req, _ in sched.scheduled)
@@ -154,8 +154,8 @@ class EngineCore:
             num_generation_tokens=s.num_generation_tokens,
             num_preemptions=s.num_preemptions,
             num_prefix_cache_hit_tokens=self.block_manager.num_hit_tokens,
-            num_draft_tokens=s.num_draft_tokens,
-            num_accepted_draft_tokens=s.num_accepted_draft_tokens,
+            num_draft_tokens=s.drafts.num_draft_tokens,
+            num_accepted_draft_tokens=s.drafts.num_accepted_draft_tokens,
         )
 
     def _eos_ids(self, extra_stop_tokens: tuple[str, ...]) -> frozenset[int]:

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from convoy.config import SchedulerConfig
 from convoy.engine import pooling
 from convoy.engine.block_manager import BlockManager, hash_prompt_blocks
+from convoy.engine.draft_planner import DraftPlanner
 from convoy.engine.request import Priority, Request, RequestStatus
 from convoy.engine.seq_queues import SeqQueues
-from convoy.engine.speculation import Drafter, DraftGate, StepCosts
+from convoy.engine.step_inputs import scheduled_seq
 from convoy.outputs import FinishReason, PositionLogprobs
-from convoy.sampling_params import Pooling
-from convoy.worker.batch import ModelRunnerOutput, PromptScoring, SamplerRow, ScheduledSeq
+from convoy.worker.batch import ModelRunnerOutput, ScheduledSeq
 
 
 @dataclass(slots=True)
@@ -77,15 +77,9 @@ class Scheduler:
         self.interactive = SeqQueues()
         self.batch = SeqQueues()
         self._queues = (self.interactive, self.batch)  # indexed by Priority
-        # Speculative decoding (engine/speculation.py): drafts go to decoding sequences after
-        # everything else is scheduled, into the token budget and free blocks left over
-        self.speculative = config.speculative
-        self.num_speculative_tokens = config.num_speculative_tokens
-        self.lookup_ngrams = (config.prompt_lookup_min, config.prompt_lookup_max)
-        self.step_costs = StepCosts()  # EngineCore records each step's time by rows
-        self.draft_gate = DraftGate()  # and what decode steps gave with drafts and without
-        self.num_draft_tokens = 0  # totals since start
-        self.num_accepted_draft_tokens = 0
+        # Speculative decoding: drafts go to decoding sequences after everything else is
+        # scheduled, into the token budget and free blocks left over
+        self.drafts = DraftPlanner(config, block_manager)
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # totals since start (one prompt counted once, not per child)
         self.num_generation_tokens = 0
@@ -131,54 +125,10 @@ class Scheduler:
             budget = self._schedule_waiting(out, fg, budget, self.max_num_seqs)
         if self.batch.running or self.batch.waiting:
             self._schedule_batch(out, budget, is_shared)
-        if self.speculative != "off":
-            self._add_drafts(out)
-        out.seqs = [_scheduled_seq(req, num_new) for req, num_new in out.scheduled]
-        return out
-
-    def _add_drafts(self, out: SchedulerOutput) -> None:
-        """Give decoding sequences of this step draft tokens to verify, from what the step left
-        (tokens of the budget, free blocks: a draft never displaces other work). In "auto"
-        mode a draft token runs only while its estimated chance of being kept beats what one
-        more row costs against the step's rows now (`StepCosts`): a prediction's drafts start
-        trusted (90%), and once the step is compute-bound only drafts that are nearly always
-        kept still run; "ngram" mode drafts regardless."""
         rows = sum(num_new for _, num_new in out.scheduled)
-        budget = self.max_num_batched_tokens - rows
-        lookup = self.speculative in ("auto", "ngram")
-        if self.speculative == "auto" and not self.draft_gate.allow(len(out.scheduled)):
-            return
-        if self.speculative == "auto" and (cap := self.step_costs.explore_cap(rows)) is not None:
-            budget = min(budget, cap - rows)  # learn the next bucket's cost before going past it
-        for i, (req, num_new) in enumerate(out.scheduled):
-            if budget <= 0:
-                break
-            p = req.params
-            if num_new != 1 or req.num_output_tokens == 0 or p.pooling is not None:
-                continue
-            if req.drafter is None:
-                if not (lookup or p.prediction):
-                    continue
-                req.drafter = Drafter.create(
-                    req.prompt_token_ids, p.prediction, lookup, *self.lookup_ngrams
-                )
-            room = min(self.num_speculative_tokens, budget, self.max_model_len - req.num_tokens)
-            if p.max_tokens is not None:
-                room = min(room, p.max_tokens - req.num_output_tokens - 1)
-            drafter = req.drafter
-            draft = drafter.propose(req.token_ids, req.num_prompt_tokens, drafter.budget(room))
-            if draft and self.speculative == "auto":
-                draft = draft[: _worth(drafter.acceptance, self.step_costs.threshold(rows))]
-                if not draft:
-                    drafter.relax()
-            if draft and req.grammar is not None:
-                draft = draft[: req.grammar.validate(draft)]
-            if not draft or not self.bm.allocate(req, 1 + len(draft)):
-                continue
-            req.draft = draft
-            out.scheduled[i] = (req, 1 + len(draft))
-            rows += len(draft)
-            budget -= len(draft)
+        self.drafts.add_drafts(out, self.max_num_batched_tokens - rows, self.max_model_len)
+        out.seqs = [scheduled_seq(req, num_new) for req, num_new in out.scheduled]
+        return out
 
     def update_from_output(
         self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
@@ -208,7 +158,7 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             if draft:
-                self._verified(req, len(draft), kept)
+                self.drafts.verified(req, len(draft), kept)
             if req.params.max_tokens == 0:  # scoring only: the prompt is computed, nothing sampled
                 req.finish_reason = FinishReason.LENGTH
             else:
@@ -258,12 +208,6 @@ class Scheduler:
             finished.append(req)
         self._prune_running()
         return finished
-
-    def _verified(self, req: Request, drafted: int, kept: int) -> None:
-        assert req.drafter is not None
-        req.drafter.record(drafted, kept)
-        self.num_draft_tokens += drafted
-        self.num_accepted_draft_tokens += kept
 
     def _append_tokens(
         self, req: Request, token_ids: list[int], runner_out: ModelRunnerOutput
@@ -454,59 +398,3 @@ def _grammar_ends(req: Request, token_id: int) -> bool:
     elif req.grammar.is_finished:
         req.finish_reason = FinishReason.STOP
     return req.finish_reason is not None
-
-
-def _worth(acceptance: float, threshold: float) -> int:
-    """How many draft tokens in a row are each kept with a chance of at least `threshold`
-    (token i is kept with about acceptance ** i); at most 64."""
-    if threshold <= 0.0:
-        return 64
-    if acceptance <= threshold:  # inf included
-        return 0
-    return min(64, int(math.log(threshold) / math.log(min(acceptance, 0.999))))
-
-
-def _scheduled_seq(req: Request, num_new: int) -> ScheduledSeq:
-    """The worker's view of one scheduled sequence; a draft's tokens follow the sequence's
-    own, each with the sampling row that plain decoding would use at its position."""
-    start = req.num_computed_tokens
-    draft = req.draft
-    num_own = num_new - len(draft)
-    seq = ScheduledSeq(
-        req.req_id, req.token_ids[start : start + num_own] + draft, start, req.block_table
-    )
-    seq.prompt_len = req.num_prompt_tokens
-    seq.scoring = _scoring(req, start, num_own)
-    is_last = start + num_own == req.num_tokens
-    if req.params.pooling is not None:  # an embedding: pools, never samples
-        if is_last or req.params.pooling is Pooling.MEAN:
-            seq.pooling = req.params.pooling
-        return seq
-    if is_last:
-        p = req.params
-        stop_ids = [] if p.ignore_eos else sorted(req.eos_token_ids)
-        output = req.output_token_ids
-        seq.sampling, *seq.draft_rows = (
-            SamplerRow(
-                p,
-                req.seed,
-                req.prompt_token_ids,
-                output + draft[:i],
-                stop_ids + p.stop_token_ids,
-                need_logprob=p.num_seqs > p.n,
-            )  # fmt: skip
-            for i in range(len(draft) + 1)
-        )
-        seq.draft = draft
-    return seq
-
-
-def _scoring(req: Request, start: int, num_new: int) -> PromptScoring | None:
-    """Prompt logprobs this chunk must produce (position i predicts token i + 1); after a
-    preemption, positions already scored are not scored again."""
-    k = req.params.prompt_logprobs
-    first = max(start + 1, len(req.prompt_logprobs) or 1)
-    end = min(start + num_new + 1, req.num_prompt_tokens)
-    if k is None or not req.wants_prompt_logprobs or first >= end:
-        return None
-    return PromptScoring(first, req.token_ids[first:end], k)
