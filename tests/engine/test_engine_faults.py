@@ -16,7 +16,7 @@ import pytest
 from convoy import LLM
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import from_exception
-from convoy.api.protocol import CompletionRequest
+from convoy.api.protocol_completions import CompletionRequest
 from convoy.api.serving_completion import CompletionServing
 from convoy.api.sse import DONE, sse_events
 from convoy.config import EngineConfig

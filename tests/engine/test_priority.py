@@ -13,7 +13,7 @@ import pytest
 from convoy import LLM, SamplingParams
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError
-from convoy.api.protocol import CompletionRequest, CompletionResponse
+from convoy.api.protocol_completions import CompletionRequest, CompletionResponse
 from convoy.api.serving_completion import CompletionServing
 from convoy.config import EngineConfig
 from convoy.engine.async_engine import AsyncEngine

@@ -16,12 +16,8 @@ from starlette.requests import ClientDisconnect
 
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError
-from convoy.api.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-)
+from convoy.api.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
+from convoy.api.protocol_completions import CompletionRequest, CompletionResponse
 from convoy.api.serving_chat import ChatServing
 from convoy.api.serving_completion import CompletionServing
 from convoy.api.sse import sse_response

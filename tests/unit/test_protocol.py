@@ -9,12 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from convoy.api.logprobs import token_texts
-from convoy.api.protocol import (
-    ChatCompletionRequest,
-    ChatMessageParam,
-    CompletionRequest,
-    CompletionResponse,
-)
+from convoy.api.protocol_chat import ChatCompletionRequest
+from convoy.api.protocol_completions import CompletionRequest, CompletionResponse
+from convoy.api.protocol_tools import ChatMessageParam
 from convoy.sampling_params import RequestOutputKind, SamplingParamsError
 
 

@@ -13,7 +13,8 @@ from pydantic import BaseModel
 from convoy.api.errors import APIError, install_error_handlers
 from convoy.api.metrics import ServerMetrics
 from convoy.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
-from convoy.api.protocol import CompletionRequest, UsageInfo
+from convoy.api.protocol_common import UsageInfo
+from convoy.api.protocol_completions import CompletionRequest
 from convoy.api.sse import DONE, sse_events
 from convoy.sampling_params import SamplingParamsError
 

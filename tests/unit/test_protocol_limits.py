@@ -13,7 +13,9 @@ from pydantic import ValidationError
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError
 from convoy.api.metrics import RequestRecord
-from convoy.api.protocol import ChatCompletionRequest, CompletionRequest, RequestModel
+from convoy.api.protocol_base import RequestModel
+from convoy.api.protocol_chat import ChatCompletionRequest
+from convoy.api.protocol_completions import CompletionRequest
 from convoy.api.server import build_app
 from convoy.config import ServerConfig
 from convoy.engine.request import EngineRequest

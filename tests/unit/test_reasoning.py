@@ -16,7 +16,7 @@ from convoy.api.chat_template import (
     apply_template,
     check_template_kwargs,
 )
-from convoy.api.protocol import ChatCompletionRequest
+from convoy.api.protocol_chat import ChatCompletionRequest
 from convoy.api.protocol_responses import ResponsesRequest, items_to_messages
 from convoy.api.reasoning import (
     ReasoningStream,

@@ -11,7 +11,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from convoy.api.protocol import ChatCompletionRequest, CompletionRequest
+from convoy.api.protocol_chat import ChatCompletionRequest
+from convoy.api.protocol_completions import CompletionRequest
 from convoy.sampling_params import SamplingParams, SamplingParamsError
 from convoy.structured.params import (
     MAX_CHOICE_CHARS,

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from convoy.api.chat_template import apply_template, has_tool_support
-from convoy.api.protocol import ChatCompletionRequest
+from convoy.api.protocol_chat import ChatCompletionRequest
 from convoy.api.protocol_tools import MAX_TOOLS, DeltaFunctionCall, DeltaToolCall
 from convoy.api.tool_format import call_text
 from convoy.engine.tokenizer import Tokenizer

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from convoy.api.protocol import ErrorInfo, ErrorResponse
+from convoy.api.protocol_common import ErrorInfo, ErrorResponse
 from convoy.engine.errors import EngineError, EngineStepError, EngineUnavailableError
 from convoy.engine.tokenizer import TemplateError
 from convoy.sampling_params import SamplingParamsError

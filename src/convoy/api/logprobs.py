@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from convoy.api.protocol import ChatLogprobToken, CompletionLogProbs, TopLogprob
+from convoy.api.protocol_chat import ChatLogprobToken, TopLogprob
+from convoy.api.protocol_completions import CompletionLogProbs
 from convoy.outputs import PositionLogprobs
 
 if TYPE_CHECKING:

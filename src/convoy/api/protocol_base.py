@@ -1,4 +1,4 @@
-"""The base classes of every wire model (protocol.py, protocol_structured.py, batch/)."""
+"""The base classes of every wire model (the protocol_*.py modules, batch/)."""
 
 from __future__ import annotations
 

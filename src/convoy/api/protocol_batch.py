@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from convoy.api.protocol import OpenAIModel, RequestModel
+from convoy.api.protocol_base import OpenAIModel, RequestModel
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses")
 COMPLETION_WINDOWS = ("24h",)

@@ -8,8 +8,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from convoy.api.protocol import MAX_INT32, PromptInput
 from convoy.api.protocol_base import OpenAIModel, RequestModel
+from convoy.api.protocol_common import MAX_INT32, PromptInput
 from convoy.sampling_params import Pooling, SamplingParams
 
 MAX_EMBEDDING_INPUTS = 2048

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from convoy.api.protocol import ChatMessageParam, OpenAIModel, RequestModel, TokenId
+from convoy.api.protocol_base import OpenAIModel, RequestModel
+from convoy.api.protocol_common import TokenId
+from convoy.api.protocol_tools import ChatMessageParam
 
 
 class ModelCard(OpenAIModel):

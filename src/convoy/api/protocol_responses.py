@@ -17,8 +17,9 @@ from typing import Any
 
 from pydantic import Field
 
-from convoy.api.protocol import MAX_INT32, ChatCompletionRequest
 from convoy.api.protocol_base import OpenAIModel, RequestModel
+from convoy.api.protocol_chat import ChatCompletionRequest
+from convoy.api.protocol_common import MAX_INT32
 from convoy.sampling_params import SamplingParamsError
 
 Item = dict[str, Any]

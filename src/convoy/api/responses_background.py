@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from convoy.api.errors import APIError, from_exception
 from convoy.api.metrics import RequestRecord
-from convoy.api.protocol import ChatCompletionRequest, ChatCompletionResponse
+from convoy.api.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from convoy.api.protocol_responses import Item, ResponseBody, ResponsesRequest
 from convoy.api.responses_items import completed, not_found, responses_params
 from convoy.api.responses_store import ResponseStore, StoredResponse

@@ -8,7 +8,8 @@ import time
 from collections.abc import Iterator
 
 from convoy.api.errors import APIError
-from convoy.api.protocol import ChatCompletionResponse, UsageInfo
+from convoy.api.protocol_chat import ChatCompletionResponse
+from convoy.api.protocol_common import UsageInfo
 from convoy.api.protocol_responses import Item, new_item_id
 from convoy.sampling_params import SamplingParamsError
 from convoy.structured.params import StructuredOutputsError

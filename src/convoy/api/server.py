@@ -27,13 +27,9 @@ from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError, install_error_handlers
 from convoy.api.metrics import ServerMetrics
 from convoy.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
-from convoy.api.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-)
 from convoy.api.protocol_batch import UPLOAD_ROUTES
+from convoy.api.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
+from convoy.api.protocol_completions import CompletionRequest, CompletionResponse
 from convoy.api.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from convoy.api.protocol_info import (
     DetokenizeRequest,

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from convoy.api.engine_client import ClosingGenerator, EngineClient, Prompt, new_id
 from convoy.api.logprobs import TokenNames
 from convoy.api.metrics import RequestRecord
-from convoy.api.protocol import UsageInfo
+from convoy.api.protocol_common import UsageInfo
 from convoy.engine.request import Priority
 from convoy.outputs import CompletionOutput, RequestOutput
 from convoy.sampling_params import MAX_PREDICTION_TOKENS, SamplingParams, SamplingParamsError

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from convoy.api.chat_template import apply_template
 from convoy.api.engine_client import EngineClient, Prompt
 from convoy.api.logprobs import chat_logprobs
-from convoy.api.protocol import (
+from convoy.api.protocol_chat import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,

@@ -14,13 +14,13 @@ from typing import cast
 from convoy.api.engine_client import EngineClient, Prompt
 from convoy.api.errors import APIError
 from convoy.api.logprobs import legacy_logprobs, token_texts
-from convoy.api.protocol import (
+from convoy.api.protocol_common import PromptInput
+from convoy.api.protocol_completions import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    PromptInput,
 )
 from convoy.api.serving_base import (
     Job,

@@ -18,12 +18,12 @@ from pydantic import ValidationError
 from convoy.api.engine_client import ClosingGenerator
 from convoy.api.errors import from_exception
 from convoy.api.metrics import RequestRecord
-from convoy.api.protocol import (
+from convoy.api.protocol_chat import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    UsageInfo,
 )
+from convoy.api.protocol_common import UsageInfo
 from convoy.api.protocol_responses import Item, ResponseBody, ResponsesRequest, new_item_id
 from convoy.api.reasoning import is_thinking_template
 from convoy.api.responses_background import BackgroundResponses

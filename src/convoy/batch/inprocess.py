@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from convoy.api.engine_client import EngineClient, ServingLimits
-from convoy.api.protocol import ChatCompletionRequest, CompletionRequest
 from convoy.api.protocol_batch import ENDPOINTS
+from convoy.api.protocol_chat import ChatCompletionRequest
+from convoy.api.protocol_completions import CompletionRequest
 from convoy.api.protocol_embeddings import EmbeddingRequest
 from convoy.api.protocol_responses import ResponsesRequest
 from convoy.api.serving_chat import ChatServing

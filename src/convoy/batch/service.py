@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from convoy.api.protocol import ChatCompletionRequest, CompletionRequest
+from convoy.api.protocol_chat import ChatCompletionRequest
+from convoy.api.protocol_completions import CompletionRequest
 from convoy.api.protocol_embeddings import EmbeddingRequest
 from convoy.api.protocol_responses import ResponsesRequest
 from convoy.batch.db import BatchDB

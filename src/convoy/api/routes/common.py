@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from convoy.api.metrics import RequestRecord
-from convoy.api.protocol import ErrorResponse
+from convoy.api.protocol_common import ErrorResponse
 from convoy.api.serving_base import off_loop
 from convoy.api.sse import sse_response
 

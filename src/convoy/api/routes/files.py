@@ -15,8 +15,8 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 
 from convoy.api.errors import APIError, disk_full
-from convoy.api.protocol import ErrorResponse
 from convoy.api.protocol_batch import FILES_PATH, FileDeleted, FileList, FileObject
+from convoy.api.protocol_common import ErrorResponse
 from convoy.batch import files as store
 from convoy.batch.db import BatchDB, FileRow, is_disk_full
 from convoy.batch.upload import MAX_FORM_OVERHEAD, PURPOSES, Upload, file_too_large

@@ -1,4 +1,7 @@
 """OpenAI wire types: requests, responses, stream chunks and errors, fields in OpenAI's doc order.
+This module holds what the endpoints share: errors, usage, stream options, the prompt forms and
+SamplingRequest (the sampling fields of completions and chat); each endpoint's own models live in
+protocol_completions.py, protocol_chat.py and the other protocol_*.py modules beside it.
 
 Requests ignore unknown fields (as vLLM does) so clients that send newer OpenAI fields keep working.
 Request models are strict (a wrong JSON type, e.g. `"n": "2"` or `"echo": "no"`, is a 400 as on
@@ -10,12 +13,10 @@ server answers 400 with it).
 
 from __future__ import annotations
 
-import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import Discriminator, Field, Tag
 
-from convoy.api.chat_template import check_template_kwargs
 from convoy.api.protocol_base import OpenAIModel, RequestModel, is_none
 from convoy.api.protocol_prediction import Prediction
 from convoy.api.protocol_structured import (
@@ -23,22 +24,18 @@ from convoy.api.protocol_structured import (
     Grammar,
     JsonSchema,
     Regex,
-    ResponseFormat,
     StructuredOutputsRequest,
     guided_constraints,
     one_constraint,
 )
-from convoy.api.protocol_tools import ChatMessageParam, DeltaToolCall, ToolCall, ToolsRequest
 from convoy.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
-    MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     RequestOutputKind,
-    SamplingParams,
     SamplingParamsError,
 )
 
@@ -244,181 +241,3 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
     return {int(token_id): float(value) for token_id, value in bias.items()}
-
-
-# -- /v1/completions ---------------------------------------------------------------------------
-
-
-class CompletionRequest(SamplingRequest):
-    prompt: PromptInput
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
-    echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    max_tokens: int | None = Field(default=16, ge=0, le=MAX_INT32)
-    suffix: str | None = None
-
-    def check(self) -> None:
-        super().check()
-        if self.suffix:
-            raise SamplingParamsError(
-                "suffix is not supported: this model has no fill-in-the-middle tokens", "suffix"
-            )
-        if self.stream and self.best_of is not None and self.best_of > (self.n or 1):
-            raise SamplingParamsError("best_of greater than n cannot be streamed", "best_of")
-
-    def to_sampling_params(self) -> SamplingParams:
-        """Engine parameters for every prompt of this request (raises SamplingParamsError)."""
-        scoring = bool(self.echo) and self.logprobs is not None
-        return SamplingParams(
-            **self._sampling_kwargs(),
-            best_of=self.best_of,
-            max_tokens=self.max_tokens,
-            logprobs=self.logprobs,
-            prompt_logprobs=self.logprobs if scoring else None,
-        )
-
-
-class CompletionLogProbs(OpenAIModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-    def extend(self, other: CompletionLogProbs) -> None:
-        self.text_offset.extend(other.text_offset)
-        self.token_logprobs.extend(other.token_logprobs)
-        self.tokens.extend(other.tokens)
-        self.top_logprobs.extend(other.top_logprobs)
-
-
-class CompletionChoice(OpenAIModel):
-    text: str
-    index: int
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(OpenAIModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-
-
-class CompletionStreamResponse(OpenAIModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-# -- /v1/chat/completions ----------------------------------------------------------------------
-
-
-class ChatCompletionRequest(SamplingRequest, ToolsRequest):
-    messages: list[ChatMessageParam] = Field(min_length=1)
-    logprobs: bool | None = False
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
-    response_format: ResponseFormat | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool | None = True
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
-
-    def check(self) -> None:
-        super().check()
-        for message in self.messages:
-            message.check()
-        if self.chat_template_kwargs:
-            check_template_kwargs(self.chat_template_kwargs)
-        self.check_tools()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
-
-    def constraints(self) -> list[tuple[str, dict[str, Any]]]:
-        found = super().constraints()
-        spec = None if self.response_format is None else self.response_format.spec()
-        tools = self.tool_constraint()
-        first = [] if spec is None else [("response_format", spec)]
-        return first + found + ([] if tools is None else [tools])
-
-    def to_sampling_params(self) -> SamplingParams:
-        """Engine parameters; max_completion_tokens wins over the deprecated max_tokens."""
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        return SamplingParams(
-            **self._sampling_kwargs(),
-            max_tokens=max_tokens,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-        )
-
-
-class TopLogprob(OpenAIModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogprobToken(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatChoiceLogprobs(OpenAIModel):
-    content: list[ChatLogprobToken] | None = None
-
-
-# A reasoning model's think block (reasoning.py): vLLM's `reasoning_content` and `reasoning`,
-# its newer name, both set; omitted for other models.
-Reasoning = Annotated[str | None, Field(default=None, exclude_if=is_none)]
-
-
-class ChatMessage(OpenAIModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: str | None = None  # OpenAI's field (never set here); parse() reads it
-    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=is_none)
-    reasoning_content: Reasoning = None
-    reasoning: Reasoning = None
-
-
-class ChatCompletionChoice(OpenAIModel):
-    index: int
-    message: ChatMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(OpenAIModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(OpenAIModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=is_none)
-    reasoning_content: Reasoning = None
-    reasoning: Reasoning = None
-
-
-class ChatStreamChoice(OpenAIModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(OpenAIModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None

@@ -1,0 +1,124 @@
+"""/v1/chat/completions wire types: the request (SamplingRequest's fields, messages and tools),
+the assistant message with its logprobs and reasoning, the response and its stream chunks. The
+messages and tool calls themselves: protocol_tools.py; shared rules: protocol_common.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from convoy.api.chat_template import check_template_kwargs
+from convoy.api.protocol_base import OpenAIModel, is_none
+from convoy.api.protocol_common import MAX_INT32, SamplingRequest, UsageInfo
+from convoy.api.protocol_structured import ResponseFormat
+from convoy.api.protocol_tools import ChatMessageParam, DeltaToolCall, ToolCall, ToolsRequest
+from convoy.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+
+# -- /v1/chat/completions ----------------------------------------------------------------------
+
+
+class ChatCompletionRequest(SamplingRequest, ToolsRequest):
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    logprobs: bool | None = False
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    response_format: ResponseFormat | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
+
+    def check(self) -> None:
+        super().check()
+        for message in self.messages:
+            message.check()
+        if self.chat_template_kwargs:
+            check_template_kwargs(self.chat_template_kwargs)
+        self.check_tools()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        found = super().constraints()
+        spec = None if self.response_format is None else self.response_format.spec()
+        tools = self.tool_constraint()
+        first = [] if spec is None else [("response_format", spec)]
+        return first + found + ([] if tools is None else [tools])
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Engine parameters; max_completion_tokens wins over the deprecated max_tokens."""
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return SamplingParams(
+            **self._sampling_kwargs(),
+            max_tokens=max_tokens,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+        )
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+# A reasoning model's think block (reasoning.py): vLLM's `reasoning_content` and `reasoning`,
+# its newer name, both set; omitted for other models.
+Reasoning = Annotated[str | None, Field(default=None, exclude_if=is_none)]
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None  # OpenAI's field (never set here); parse() reads it
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=is_none)
+    reasoning_content: Reasoning = None
+    reasoning: Reasoning = None
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=is_none)
+    reasoning_content: Reasoning = None
+    reasoning: Reasoning = None
+
+
+class ChatStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
