@@ -69,7 +69,7 @@ def _prepare(model: str, modes: list[str]) -> None:
     """Fill the caches a first start fills (the kernels; the fp32 safetensors only when the fp32
     mode runs: a 7B's are 28 GB), in a subprocess."""
     code = (
-        "import sys; from convoy import kernels; from convoy.models.loader import "
+        "import sys; from convoy import kernels; from convoy.models.resolve import "
         "ensure_hf_weights, resolve_model; kernels.available(); r = resolve_model(sys.argv[1]); "
         "sys.argv[2] == '1' and ensure_hf_weights(r)"
     )

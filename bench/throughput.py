@@ -151,7 +151,7 @@ class HFBaselines:
 
 def bench_model_dtype(name: str, dtype: str, args: argparse.Namespace, log) -> list[Row]:
     from convoy import LLM, SamplingParams
-    from convoy.models.loader import ensure_hf_weights, resolve_model
+    from convoy.models.resolve import ensure_hf_weights, resolve_model
 
     t0 = time.perf_counter()
     llm = LLM(

@@ -18,7 +18,8 @@ from convoy.kernels.ops import QUANT_TYPES
 from convoy.models.gguf_convert import ModelLoadError, field, read_gguf
 from convoy.models.gguf_index import read_gguf_index
 from convoy.models.layers import CausalLM, QuantEmbedding
-from convoy.models.loader import ResolvedModel, embedded_gguf_path, load_model, resolve_model
+from convoy.models.loader import load_model
+from convoy.models.resolve import ResolvedModel, embedded_gguf_path, resolve_model
 
 MODEL = "smollm2-135m-instruct"
 

@@ -10,7 +10,7 @@ import unicodedata
 import pytest
 
 from convoy.engine.tokenizer import Tokenizer, _normalizer_shrink
-from convoy.models.loader import resolve_model
+from convoy.models.resolve import resolve_model
 
 
 def _adversarial_texts(tokenizer: Tokenizer) -> list[str]:

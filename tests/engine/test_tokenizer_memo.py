@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from convoy.engine.tokenizer import Tokenizer
-from convoy.models.loader import resolve_model
+from convoy.models.resolve import resolve_model
 
 TEXTS = ["Hello world", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 日本語 🙂", "x = 1\n" * 50]
 

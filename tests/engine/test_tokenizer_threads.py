@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from convoy.engine.tokenizer import Tokenizer
-from convoy.models.loader import resolve_model
+from convoy.models.resolve import resolve_model
 
 TEXTS = [
     "Hello world",

@@ -18,8 +18,8 @@ from gguf.quants import quantize
 
 from convoy.model_config import ModelConfig
 from convoy.models.gguf_convert import _config, read_gguf
-from convoy.models.loader import ResolvedModel
 from convoy.models.registry import gguf_family
+from convoy.models.resolve import ResolvedModel
 from tests.models.quantize_more import TYPES as MORE_TYPES
 from tests.models.quantize_more import quantize_more
 

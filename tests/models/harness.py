@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from convoy.model_config import ModelConfig
-from convoy.models.loader import resolve_model
+from convoy.models.resolve import resolve_model
 from convoy.sampling_params import SamplingParams
 from convoy.worker.batch import PromptScoring, SamplerRow, ScheduledSeq
 from convoy.worker.kv_cache import allocate_kv_cache

@@ -18,7 +18,7 @@ SCRIPT = """
 import logging, sys, time
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from convoy.models.loader import resolve_model
+from convoy.models.resolve import resolve_model
 here, there = Path(sys.argv[1]), Path(sys.argv[2])
 here.touch()
 deadline = time.monotonic() + 120

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from convoy.models.loader import ModelLoadError, embedded_gguf_path, resolve_model
+from convoy.models.gguf_convert import ModelLoadError
+from convoy.models.resolve import embedded_gguf_path, resolve_model
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from convoy.kernels.ops import QUANT_TYPES
-from convoy.models.loader import resolve_model
+from convoy.models.resolve import resolve_model
 from convoy.worker.memory import (
     DEFAULT_KV_BUDGET,
     MIN_KV_BUDGET,

@@ -16,7 +16,8 @@ from convoy.kernels.ops import QUANT_TYPES
 from convoy.model_config import ModelConfig
 from convoy.models.attention import Attention
 from convoy.models.gemma2 import Gemma2ForCausalLM
-from convoy.models.loader import load_model, resolve_model
+from convoy.models.loader import load_model
+from convoy.models.resolve import resolve_model
 from tests.models.gguf_from_hf import resolved_gguf, write_gguf
 from tests.models.harness import convoy_greedy, reference_greedy
 

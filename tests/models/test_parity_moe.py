@@ -12,8 +12,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from convoy.kernels.ops import QUANT_TYPES
-from convoy.models.loader import load_model, resolve_model
+from convoy.models.loader import load_model
 from convoy.models.moe import Experts, QuantExperts, SparseMoe
+from convoy.models.resolve import resolve_model
 from tests.models.gguf_from_hf import resolved_gguf, write_gguf
 from tests.models.harness import convoy_greedy, reference_greedy
 

@@ -19,8 +19,9 @@ from gguf import GGMLQuantizationType as Q
 from convoy.config import ConfigError
 from convoy.kernels.ops import QUANT_TYPES
 from convoy.model_config import ModelConfig
-from convoy.models.loader import load_model, resolve_model
+from convoy.models.loader import load_model
 from convoy.models.phi3 import LongRopeEmbedding
+from convoy.models.resolve import resolve_model
 from convoy.worker.batch import ScheduledSeq
 from convoy.worker.kv_cache import allocate_kv_cache
 from convoy.worker.model_runner import ModelRunner

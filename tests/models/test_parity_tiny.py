@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from convoy.models import attention
-from convoy.models.loader import load_model, resolve_model
+from convoy.models.loader import load_model
+from convoy.models.resolve import resolve_model
 from tests.models.harness import convoy_greedy, reference_greedy
 
 COMMON = dict(

@@ -27,7 +27,7 @@ from convoy.api.reasoning import (
 )
 from convoy.api.tool_format import call_text, tools_grammar
 from convoy.engine.tokenizer import Tokenizer
-from convoy.models.loader import resolve_model
+from convoy.models.resolve import resolve_model
 from convoy.sampling_params import SamplingParamsError
 from convoy.structured.compiler import GrammarCompiler
 from convoy.structured.params import StructuredOutputsError, StructuredOutputsParams

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from convoy.engine.tokenizer import Tokenizer
-from convoy.models.loader import resolve_model
+from convoy.models.resolve import resolve_model
 from convoy.structured.compiler import GrammarCompiler
 from convoy.structured.matcher import allowed_token_ids, fill_bitmasks
 from convoy.structured.params import StructuredOutputsError, StructuredOutputsParams

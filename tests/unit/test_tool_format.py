@@ -19,7 +19,7 @@ from convoy.api.tool_format import (
     tools_grammar,
 )
 from convoy.engine.tokenizer import Tokenizer
-from convoy.models.loader import resolve_model
+from convoy.models.resolve import resolve_model
 from convoy.structured.compiler import GrammarCompiler
 from convoy.structured.matcher import GrammarMatcher, allowed_token_ids, fill_bitmasks
 from convoy.structured.params import StructuredOutputsParams

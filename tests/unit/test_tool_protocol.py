@@ -17,7 +17,7 @@ from convoy.api.protocol_tools import MAX_TOOLS, DeltaFunctionCall, DeltaToolCal
 from convoy.api.tool_format import call_text
 from convoy.engine.tokenizer import Tokenizer
 from convoy.models.gemma3 import GEMMA_TEMPLATE
-from convoy.models.loader import resolve_model
+from convoy.models.resolve import resolve_model
 from convoy.sampling_params import SamplingParamsError
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]

@@ -141,7 +141,7 @@ def _memo_path(model_dir: Path) -> Path | None:
     import tokenizers
     import transformers
 
-    from convoy.models.loader import cache_dir  # here: it imports torch
+    from convoy.models.resolve import cache_dir  # here: it imports torch
 
     h = hashlib.sha256()
     h.update(f"{_MEMO_FORMAT}|{transformers.__version__}|{tokenizers.__version__}".encode())

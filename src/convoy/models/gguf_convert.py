@@ -1,6 +1,6 @@
 """GGUF file -> Hugging Face-format folder (config.json, model.safetensors, tokenizer files).
 
-The first load of a .gguf writes that folder under the cache dir (loader.py: the config and the
+The first load of a .gguf writes that folder under the cache dir (resolve.py: the config and the
 tokenizer first, the weights dequantized once when a load needs them), atomically, so processes
 starting at once never see or write half of it (`staging_dir`); every later start loads it. Tensor names and layouts are
 turned back into Hugging Face's:

@@ -18,8 +18,9 @@ from convoy.kernels.linear import (
 )
 from convoy.kernels.ops import QUANT_TYPES
 from convoy.models.layers import CausalLM
-from convoy.models.loader import load_model, resolve_model
+from convoy.models.loader import load_model
 from convoy.models.moe import quantize_experts
+from convoy.models.resolve import resolve_model
 from convoy.worker.batch import ModelRunnerOutput, ScheduledSeq
 from convoy.worker.kv_cache import allocate_kv_cache, resolve_kv_dtype
 from convoy.worker.memory import plan_memory
