@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from convoy.engine.tokenizer import Tokenizer
-from convoy.kernels.linear import onednn_linear_available, pack_linears
+from convoy.kernels.packed_linear import onednn_linear_available, pack_linears
 from convoy.models.loader import load_model
 from convoy.models.resolve import resolve_model
 from tests.models.harness import convoy_greedy, reference_greedy

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from convoy.kernels import linear as linear_mod
-from convoy.kernels.linear import (
+from convoy.kernels import packed_linear as packed_mod
+from convoy.kernels.packed_linear import (
     EXACT_ROWS,
     PackedLinear,
     onednn_linear_available,
@@ -51,13 +51,13 @@ def test_padded_rows_are_few_sizes_close_above_the_row_count() -> None:
 def test_packed_linear_gives_onednn_only_padded_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step's row count used to reach oneDNN as is: a new primitive per count (#29)."""
     seen: list[int] = []
-    run = linear_mod.onednn_linear
+    run = packed_mod.onednn_linear
 
     def recording(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         seen.append(x.shape[0])
         return run(x, packed, bias)
 
-    monkeypatch.setattr(linear_mod, "onednn_linear", recording)
+    monkeypatch.setattr(packed_mod, "onednn_linear", recording)
     torch.manual_seed(0)
     linear = nn.Linear(32, 48)
     packed = PackedLinear(linear)

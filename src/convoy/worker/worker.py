@@ -9,14 +9,9 @@ import torch
 
 from convoy import kernels
 from convoy.config import ConfigError, EngineConfig
-from convoy.kernels.linear import (
-    QuantLinear,
-    gather_in_huge_pages,
-    linear_packing,
-    pack_linears,
-    quantize_linears,
-)
+from convoy.kernels.linear import QuantLinear, gather_in_huge_pages, quantize_linears
 from convoy.kernels.ops import QUANT_TYPES
+from convoy.kernels.packed_linear import linear_packing, pack_linears
 from convoy.models.layers import CausalLM
 from convoy.models.loader import load_model
 from convoy.models.moe import quantize_experts
