@@ -45,7 +45,7 @@ def _status_kb(key: str) -> int:
 def child(model: str, mode: str) -> None:
     """One measurement in this (fresh) process; prints one JSON line."""
     from convoy.config import EngineConfig
-    from convoy.models.loader import resolve_model
+    from convoy.models.resolve import resolve_model
     from convoy.worker.worker import Worker
 
     file_size = resolve_model(model).weights_path.stat().st_size
