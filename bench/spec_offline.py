@@ -53,7 +53,7 @@ def main() -> None:
         split = " ".join(f"{k} {v:.1f} s" for k, v in timers.acc.items())
         print(f"{mode}: {tokens / wall:.1f} tokens/s, {wall:.1f} s, kept drafts "
               f"{sch.drafts.num_accepted_draft_tokens - kept0} | {split}", flush=True)  # fmt: skip
-        costs = sch.drafts.step_costs
+        costs = sch.step_costs
         learnt = {b: f"{costs.rows[b]:.0f} rows {costs.seconds[b] * 1e3:.0f} ms" for b in sorted(costs.seconds)}
         print(f"  step costs: {learnt}", flush=True)
 

@@ -110,7 +110,7 @@ def test_greedy_output_is_the_same_with_and_without_drafts(quantized: LLM) -> No
     prompts = repeat_prompts(quantized) + prompts16()[:8]
     with speculative(quantized, "off"):
         plain = tokens_and_logprobs(quantized.generate(prompts, GREEDY))
-    stats = quantized.core.scheduler
+    stats = quantized.core.scheduler.drafts
     drafted, kept = stats.num_draft_tokens, stats.num_accepted_draft_tokens
     with speculative(quantized, "ngram"):
         spec = tokens_and_logprobs(quantized.generate(prompts, GREEDY))
@@ -235,11 +235,17 @@ def test_sampling_with_drafts_keeps_the_model_distribution(quantized: LLM) -> No
         )
     kept = quantized.core.scheduler.drafts.num_accepted_draft_tokens
     # "ngram": every step drafts (in "auto" the step-cost rule may hold a 600-row step's
-    # drafts back, depending on what earlier tests taught the engine)
-    with speculative(quantized, "ngram"):
-        b = collections.Counter(
-            tuple(o.outputs[0].token_ids) for o in quantized.generate([prompt] * n, drafted)
-        )
+    # drafts back, depending on what earlier tests taught the engine), and no step size
+    # target (a step cut to it has no room left for drafts)
+    sizer = quantized.core.scheduler.sizer
+    target, sizer.target = sizer.target, 0.0
+    try:
+        with speculative(quantized, "ngram"):
+            b = collections.Counter(
+                tuple(o.outputs[0].token_ids) for o in quantized.generate([prompt] * n, drafted)
+            )
+    finally:
+        sizer.target = target
     assert quantized.core.scheduler.drafts.num_accepted_draft_tokens - kept > n // 10
     stat, dof = _chi_square(a, b)
     assert stat < _chi_square_critical(dof), (stat, dof, a.most_common(5), b.most_common(5))

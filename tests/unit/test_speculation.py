@@ -6,7 +6,8 @@ import math
 import random
 
 from convoy.engine.draft_planner import worth
-from convoy.engine.speculation import Drafter, DraftGate, NgramIndex, StepCosts, find_in
+from convoy.engine.speculation import Drafter, DraftGate, NgramIndex, find_in
+from convoy.engine.step_costs import StepCosts
 from convoy.worker.worker import accepted_prefix
 
 
@@ -131,3 +132,22 @@ def test_the_draft_gate_stops_drafts_where_drafted_steps_gave_fewer_tokens_a_sec
     for _ in range(60):
         gate.record(64, True, 90, 0.17)
     assert sum(gate.allow(64) for _ in range(64)) == 64 - 64 // DraftGate.EXPLORE
+
+
+def test_a_step_is_capped_only_where_it_is_long_and_smaller_steps_cost_little_more() -> None:
+    costs = StepCosts()
+    assert costs.row_cap(256, 0.15, 0.9) is None  # nothing measured: the full step first
+    costs.record(256, 0.470)
+    assert costs.row_cap(256, 0.15, 0.9) == 128  # too long: half of it is measured next
+    assert costs.row_cap(256, 0.5, 0.9) is None  # within the target
+    costs.record(128, 0.240)
+    assert costs.row_cap(256, 0.15, 0.9) == 64  # 128 rows are still too long: explore 64
+    costs.record(64, 0.125)
+    assert costs.row_cap(256, 0.15, 0.9) == 64  # fits, at 94% of the full step's rate
+    assert costs.row_cap(256, 0.3, 0.9) == 128
+    costs.record(32, 0.100)  # memory-bound below 64: rows no longer share the weights' read
+    assert costs.row_cap(256, 0.05, 0.9) == 64  # the smallest size that is still efficient
+    memory_bound = StepCosts()
+    memory_bound.record(64, 0.200)
+    memory_bound.record(32, 0.180)
+    assert memory_bound.row_cap(64, 0.1, 0.9) is None  # halving would cost 80% more a row

@@ -93,11 +93,12 @@ class EngineCore:
             self._constrain(sched)
             start = time.perf_counter()
             runner_out = self.worker.execute(sched.seqs)
-            # what drafts cost: steps of decode rows (and verifications) only, not prefills
+            # what a step costs by rows (step sizes, drafts): decode rows and verifications
+            # only, not prefills
             if all(seq.draft or len(seq.token_ids) == 1 for seq in sched.seqs):
                 seconds = time.perf_counter() - start
                 rows = sum(len(seq.token_ids) for seq in sched.seqs)
-                self.scheduler.drafts.step_costs.record(rows, seconds)
+                self.scheduler.step_costs.record(rows, seconds)
                 tokens = sum(map(len, runner_out.sampled_token_ids.values()))
                 drafted = rows > len(sched.seqs)
                 self.scheduler.drafts.draft_gate.record(len(sched.seqs), drafted, tokens, seconds)

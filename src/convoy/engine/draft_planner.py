@@ -7,31 +7,33 @@ step's results are folded in. No torch here; the draft sources live in engine/sp
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from convoy.config import SchedulerConfig
 from convoy.engine.block_manager import BlockManager
 from convoy.engine.request import Request
-from convoy.engine.speculation import Drafter, DraftGate, StepCosts
-
-if TYPE_CHECKING:
-    from convoy.engine.scheduler import SchedulerOutput
+from convoy.engine.speculation import Drafter, DraftGate
+from convoy.engine.step_costs import StepCosts
 
 
 class DraftPlanner:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, step_costs: StepCosts
+    ) -> None:
         # "auto", "ngram" or "off"; tests and benchmarks switch it on a live engine
         self.mode = config.speculative
         self.num_speculative_tokens = config.num_speculative_tokens
         self.lookup_ngrams = (config.prompt_lookup_min, config.prompt_lookup_max)
         self.bm = block_manager
-        self.step_costs = StepCosts()  # EngineCore records each step's time by rows
+        self.step_costs = step_costs  # the scheduler's (EngineCore records every step's time)
         self.draft_gate = DraftGate()  # and what decode steps gave with drafts and without
         self.num_draft_tokens = 0  # totals since start
         self.num_accepted_draft_tokens = 0
 
-    def add_drafts(self, out: SchedulerOutput, budget: int, max_model_len: int) -> None:
-        """Give decoding sequences of this step draft tokens to verify, within `budget` tokens
+    def add_drafts(
+        self, scheduled: list[tuple[Request, int]], budget: int, max_model_len: int
+    ) -> None:
+        """Give decoding sequences of this step (`scheduled`: (sequence, new tokens), changed in
+        place) draft tokens to verify, within `budget` tokens
         and the free blocks (a draft never displaces other work). In "auto" mode a draft token
         runs only while its estimated chance of being kept beats what one more row costs
         against the step's rows now (`StepCosts`): a prediction's drafts start trusted (90%),
@@ -39,14 +41,14 @@ class DraftPlanner:
         "ngram" mode drafts regardless."""
         if self.mode == "off":
             return
-        rows = sum(num_new for _, num_new in out.scheduled)
+        rows = sum(num_new for _, num_new in scheduled)
         auto = self.mode == "auto"
-        if auto and not self.draft_gate.allow(len(out.scheduled)):
+        if auto and not self.draft_gate.allow(len(scheduled)):
             return
         if auto and (cap := self.step_costs.explore_cap(rows)) is not None:
             budget = min(budget, cap - rows)  # learn the next bucket's cost before going past it
         lookup = self.mode in ("auto", "ngram")
-        for i, (req, num_new) in enumerate(out.scheduled):
+        for i, (req, num_new) in enumerate(scheduled):
             if budget <= 0:
                 break
             p = req.params
@@ -72,7 +74,7 @@ class DraftPlanner:
             if not draft or not self.bm.allocate(req, 1 + len(draft)):
                 continue
             req.draft = draft
-            out.scheduled[i] = (req, 1 + len(draft))
+            scheduled[i] = (req, 1 + len(draft))
             rows += len(draft)
             budget -= len(draft)
 

@@ -8,10 +8,16 @@ are gone: `Request.computes_whole_prompt`), so it always sums every prompt posit
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import numpy.typing as npt
 
+from convoy.outputs import FinishReason
 from convoy.sampling_params import Pooling
+
+if TYPE_CHECKING:
+    from convoy.engine.request import Request
 
 Vector = npt.NDArray[np.float64]
 
@@ -34,3 +40,19 @@ def normalize(vec: npt.NDArray[np.floating]) -> Vector:
     v = np.asarray(vec, dtype=np.float64)
     norm = float(np.linalg.norm(v))
     return v / norm if norm > 0 else v
+
+
+def take_chunk(req: Request, chunk: Vector | None, now: float) -> bool:
+    """Fold an embedding request's chunk (None: this step pooled nothing of it) in; once its
+    prompt is computed, set its embedding and finish reason (stop) and return True."""
+    kind = req.params.pooling
+    assert kind is not None
+    if chunk is not None:
+        req.pooled = fold(req.pooled, chunk, kind)
+    if req.num_computed_tokens < req.num_prompt_tokens:
+        return False
+    assert req.pooled is not None, "the last chunk of an embedding request pools"
+    req.embedding = finish(req.pooled, req.num_prompt_tokens, kind)
+    req.first_token_time = now
+    req.finish_reason = FinishReason.STOP
+    return True

@@ -69,6 +69,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # digests of the full prompt blocks
     status: RequestStatus = RequestStatus.WAITING
+    last_step: int = -1  # the scheduler's step that last ran it (capped steps take turns)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from convoy.config import SchedulerConfig
 from convoy.engine import pooling
@@ -35,8 +36,10 @@ from convoy.engine.block_manager import BlockManager, hash_prompt_blocks
 from convoy.engine.draft_planner import DraftPlanner
 from convoy.engine.request import Priority, Request, RequestStatus
 from convoy.engine.seq_queues import SeqQueues
+from convoy.engine.step_costs import StepSizer
 from convoy.engine.step_inputs import scheduled_seq
-from convoy.outputs import FinishReason, PositionLogprobs
+from convoy.engine.token_append import append_tokens
+from convoy.outputs import FinishReason
 from convoy.worker.batch import ModelRunnerOutput, ScheduledSeq
 
 
@@ -79,7 +82,12 @@ class Scheduler:
         self._queues = (self.interactive, self.batch)  # indexed by Priority
         # Speculative decoding: drafts go to decoding sequences after everything else is
         # scheduled, into the token budget and free blocks left over
-        self.drafts = DraftPlanner(config, block_manager)
+        # How large a step is: measured step costs (EngineCore records them) against
+        # --step-target-ms; the step costs also price draft rows
+        self.sizer = StepSizer(config.step_target_ms / 1e3)
+        self.step_costs = self.sizer.costs
+        self.drafts = DraftPlanner(config, block_manager, self.step_costs)
+        self.num_steps = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # totals since start (one prompt counted once, not per child)
         self.num_generation_tokens = 0
@@ -120,13 +128,26 @@ class Scheduler:
         is_shared = now - self._interactive_seen < self.batch_grace or bool(
             fg.running or fg.waiting
         )
-        budget = self._schedule_running(out, fg.running, self.max_num_batched_tokens)
-        if fg.waiting and not any(r.priority == Priority.INTERACTIVE for r in out.preempted):
-            budget = self._schedule_waiting(out, fg, budget, self.max_num_seqs)
-        if self.batch.running or self.batch.waiting:
-            self._schedule_batch(out, budget, is_shared)
+        self.num_steps += 1
+        cap = self.sizer.cap(self.num_running)
+        budget = min(cap or self.max_num_batched_tokens, self.max_num_batched_tokens)
+        lane = self.sizer.lane(self.num_steps, self.num_running, bool(fg.waiting))
+        if lane:  # newcomers beside a long step: their prompts in a step of their own
+            budget = self._schedule_prompts(out, budget, decodes=False)
+            lane = bool(out.scheduled)
+            self.sizer.last_lane = self.num_steps if lane else self.sizer.last_lane
+        if lane:
+            pass
+        elif cap is None:
+            budget = self._schedule_running(out, fg.running, budget)
+            budget = self._admit_interactive(out, budget)
+        else:
+            budget = self._schedule_prompts(out, budget, decodes=True)
+        if (self.batch.running or self.batch.waiting) and not lane:
+            self._schedule_batch(out, budget, is_shared, rotate=cap is not None)
         rows = sum(num_new for _, num_new in out.scheduled)
-        self.drafts.add_drafts(out, self.max_num_batched_tokens - rows, self.max_model_len)
+        room = (cap or self.max_num_batched_tokens) - rows  # a capped step's drafts fit in it
+        self.drafts.add_drafts(out.scheduled, room, self.max_model_len)
         out.seqs = [scheduled_seq(req, num_new) for req, num_new in out.scheduled]
         return out
 
@@ -150,7 +171,8 @@ class Scheduler:
             self.num_computed_tokens += num_new - len(draft) + kept
             self.bm.cache_computed(req)
             if req.params.pooling is not None:
-                if self._pool(req, runner_out, now):
+                if pooling.take_chunk(req, runner_out.pooled.get(req.req_id), now):
+                    self._free(req)  # its embedding is done (finish reason stop)
                     updated.append(req)
                 continue
             if token_ids is None:
@@ -162,7 +184,9 @@ class Scheduler:
             if req.params.max_tokens == 0:  # scoring only: the prompt is computed, nothing sampled
                 req.finish_reason = FinishReason.LENGTH
             else:
-                self._append_tokens(req, token_ids, runner_out)
+                self.num_generation_tokens += append_tokens(
+                    req, token_ids, runner_out, self.max_model_len
+                )
                 if req.drafter is not None and req.drafter.prediction is not None:
                     req.drafter.sync(req.token_ids)  # (usage counts the prediction's matches;
                     # a lookup index catches up when it next drafts)
@@ -173,23 +197,6 @@ class Scheduler:
             updated.append(req)
         self._prune_running()
         return updated
-
-    def _pool(self, req: Request, runner_out: ModelRunnerOutput, now: float) -> bool:
-        """Fold an embedding request's chunk in; once its prompt is computed, finish it with its
-        embedding (finish reason stop) and return True."""
-        kind = req.params.pooling
-        assert kind is not None
-        chunk = runner_out.pooled.get(req.req_id)
-        if chunk is not None:
-            req.pooled = pooling.fold(req.pooled, chunk, kind)
-        if req.num_computed_tokens < req.num_prompt_tokens:
-            return False
-        assert req.pooled is not None, "the last chunk of an embedding request pools"
-        req.embedding = pooling.finish(req.pooled, req.num_prompt_tokens, kind)
-        req.first_token_time = now
-        req.finish_reason = FinishReason.STOP
-        self._free(req)
-        return True
 
     def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> list[Request]:
         """End sequences (a stop string, an abort): leave the queues, free their blocks.
@@ -208,44 +215,6 @@ class Scheduler:
             finished.append(req)
         self._prune_running()
         return finished
-
-    def _append_tokens(
-        self, req: Request, token_ids: list[int], runner_out: ModelRunnerOutput
-    ) -> None:
-        """Append a step's kept tokens in order, up to the first that ends the sequence."""
-        lps = runner_out.sampled_logprobs.get(req.req_id)
-        entries = runner_out.logprobs.get(req.req_id)
-        req.num_step_tokens = 0
-        for j, token_id in enumerate(token_ids):
-            req.num_step_tokens += 1
-            lp = None if lps is None else lps[j]
-            self._append_token(req, token_id, lp, None if entries is None else entries[j])
-            if req.finish_reason is not None:
-                break
-
-    def _append_token(
-        self, req: Request, token_id: int, lp: float | None, entry: PositionLogprobs | None
-    ) -> None:
-        req.token_ids.append(token_id)
-        self.num_generation_tokens += 1
-        if lp is not None:
-            req.cumulative_logprob += lp
-        if entry is not None:
-            req.logprobs.append(entry)
-        if req.grammar is not None and _grammar_ends(req, token_id):
-            return
-        p = req.params
-        num_out = req.num_output_tokens
-        if num_out >= p.min_tokens:
-            if not p.ignore_eos and token_id in req.eos_token_ids:
-                req.finish_reason = FinishReason.STOP
-            elif token_id in p.stop_token_ids:
-                req.finish_reason, req.stop_reason = FinishReason.STOP, token_id
-        if req.finish_reason is None and (
-            (p.max_tokens is not None and num_out >= p.max_tokens)
-            or req.num_tokens >= self.max_model_len
-        ):
-            req.finish_reason = FinishReason.LENGTH
 
     def _free(self, req: Request) -> None:
         """Remove a sequence (finished or aborted) from the queues and free its blocks.
@@ -267,7 +236,9 @@ class Scheduler:
         self.interactive.prune()
         self.batch.prune()
 
-    def _schedule_batch(self, out: SchedulerOutput, budget: int, is_shared: bool) -> None:
+    def _schedule_batch(
+        self, out: SchedulerOutput, budget: int, is_shared: bool, rotate: bool
+    ) -> None:
         """Batch sequences get what interactive ones left; while interactive work is present, at
         most their share of sequences and tokens (the running ones past it are paused: they
         keep their blocks and are simply not scheduled)."""
@@ -278,19 +249,30 @@ class Scheduler:
             limit = self.max_shared_batch_seqs
             batch_budget = min(budget, self.max_shared_batch_tokens)
         num_before = len(out.scheduled)
-        batch_budget = self._schedule_running(out, bg.running, batch_budget, limit)
+        batch_budget = self._schedule_running(out, bg.running, batch_budget, limit, rotate)
         num_scheduled = len(out.scheduled) - num_before
         if bg.waiting and not out.preempted and num_scheduled < limit:
             self._schedule_waiting(out, bg, batch_budget, limit - num_scheduled)
 
     def _schedule_running(
-        self, out: SchedulerOutput, running: list[Request], budget: int, limit: int | None = None
+        self,
+        out: SchedulerOutput,
+        running: list[Request],
+        budget: int,
+        limit: int | None = None,
+        rotate: bool = False,
     ) -> int:
-        """Schedule the oldest `limit` of `running` (all by default) while tokens are left;
-        returns the tokens left."""
-        i, limit = 0, len(running) if limit is None else limit
-        while i < len(running) and i < limit and budget > 0:
-            req = running[i]
+        """Schedule the oldest `limit` of `running` (all by default) while tokens are left, or
+        with `rotate` (a capped step: not all of them fit) the ones that waited longest since
+        they last ran; returns the tokens left."""
+        limit = len(running) if limit is None else limit
+        order = sorted(running, key=attrgetter("last_step")) if rotate else running
+        i = n = 0
+        while i < len(order) and n < limit and budget > 0:
+            req = order[i]
+            i += 1
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted this step (a rotated order is a copy)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.bm.allocate(req, num_new):
                 victim = self._victim()
@@ -298,9 +280,33 @@ class Scheduler:
                 if victim is req:
                     return budget
             out.scheduled.append((req, num_new))
+            req.last_step = self.num_steps
             budget -= num_new
-            i += 1
+            n += 1
         return budget
+
+    def _admit_interactive(self, out: SchedulerOutput, budget: int) -> int:
+        if self.interactive.waiting and not any(
+            r.priority == Priority.INTERACTIVE for r in out.preempted
+        ):
+            budget = self._schedule_waiting(out, self.interactive, budget, self.max_num_seqs)
+        return budget
+
+    def _schedule_prompts(self, out: SchedulerOutput, budget: int, decodes: bool) -> int:
+        """Prompt work first (the chunks of prompts under way, then newcomers), so a first
+        token comes soon; with `decodes` (a capped step, `StepSizer.cap`) a quarter of the
+        budget is kept for decode rows, which take turns (those that ran longest ago first),
+        without (a fast-lane step, `StepSizer.lane`) none run. Returns the tokens left."""
+        prompts: list[Request] = []
+        waiting: list[Request] = []
+        for req in self.interactive.running:
+            (waiting if req.num_tokens - req.num_computed_tokens == 1 else prompts).append(req)
+        kept = budget // 4 if waiting and decodes else 0
+        left = self._schedule_running(out, prompts, budget - kept)
+        left = self._admit_interactive(out, left)
+        if not decodes:
+            return left
+        return self._schedule_running(out, waiting, left + kept, rotate=True)
 
     def _victim(self) -> Request:
         """Who gives blocks back: the newest batch sequence (paused ones are the newest), else
@@ -386,15 +392,3 @@ class Scheduler:
         return hash_prompt_blocks(
             req.prompt_token_ids, self.bm.block_size, req.params.cache_salt, variant
         )
-
-
-def _grammar_ends(req: Request, token_id: int) -> bool:
-    """Advance a constrained sequence's matcher by its new token. A grammar that has fully
-    matched ends the sequence with stop (even under min_tokens or ignore_eos: the constraint
-    wins); a matcher that fails ends it with abort and `req.error` (the caller reports it)."""
-    assert req.grammar is not None
-    if not req.grammar.accept(token_id):
-        req.finish_reason, req.error = FinishReason.ABORT, req.grammar.error()
-    elif req.grammar.is_finished:
-        req.finish_reason = FinishReason.STOP
-    return req.finish_reason is not None
