@@ -11,6 +11,7 @@ from convoy.kernels import packed_linear as packed_mod
 from convoy.kernels.packed_linear import (
     EXACT_ROWS,
     PackedLinear,
+    PaddedBf16Linear,
     onednn_linear_available,
     pack_linears,
     padded_rows,
@@ -107,3 +108,29 @@ def test_bf16_kernel_linear_matches_fp32_math_on_bf16_weights(
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
     # fp32 accumulation, one rounding to bf16 at the end: within half a bf16 ulp (+ order noise)
     torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=2**-8)
+
+
+def test_native_bf16_linear_runs_at_padded_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 with native bf16 goes to oneDNN through F.linear: the same per-shape primitive cache
+    grew the bf16 server ~60 KB a request until its row counts were padded too (#29)."""
+    seen: list[int] = []
+    run = torch.nn.functional.linear
+
+    def recording(
+        x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return run(x, w, b)
+
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48).to(torch.bfloat16)
+    padded = PaddedBf16Linear(linear)
+    x = torch.randn(300, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = [linear(x[:rows]) for rows in range(60, 300, 7)]
+        monkeypatch.setattr(packed_mod.F, "linear", recording)
+        got = [padded(x[:rows]) for rows in range(60, 300, 7)]
+    assert seen == [padded_rows(rows) for rows in range(60, 300, 7)]
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == torch.bfloat16
+        torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2)

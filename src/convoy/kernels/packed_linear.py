@@ -1,5 +1,6 @@
-"""The packed fp32 linear for the CPU (oneDNN), its row padding, and which packed linear a
-device/dtype gets (`linear_packing`, `pack_linears`; the bf16 one is linear.py's Bf16PackedLinear).
+"""The packed fp32 linear for the CPU (oneDNN), its row padding (also native bf16's), and which
+packed linear a device/dtype gets (`linear_packing`, `pack_linears`; the bf16 kernel's is
+linear.py's Bf16PackedLinear).
 
 `F.linear` in fp32 goes to MKL sgemm with the weight in its plain (out, in) layout and repacks it
 on every call. oneDNN can take the weight reordered once into its blocked layout; on this AVX2 host
@@ -17,6 +18,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from convoy import kernels
@@ -45,16 +47,15 @@ def padded_rows(num_rows: int) -> int:
 
 
 def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Which packed linear this device/dtype gets: "onednn" (fp32), "bf16-kernel" or None."""
+    """Which packed linear this device/dtype gets: "onednn" (fp32), "bf16-kernel" (bf16 without
+    native bf16), "bf16-padded" (native bf16: oneDNN through `F.linear`) or None."""
     if onednn_linear_available(device, dtype):
         return "onednn"
-    if (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and not torch.cpu._is_avx512_bf16_supported()
-        and kernels.available()
-    ):
-        return "bf16-kernel"
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        if torch.cpu._is_avx512_bf16_supported():
+            return "bf16-padded"
+        if kernels.available():
+            return "bf16-kernel"
     return None
 
 
@@ -84,6 +85,23 @@ class PackedLinear(_PrepackedLinear):
         return onednn_linear(_padded_input(x, rows), self.packed, self.bias)[:num_rows]
 
 
+class PaddedBf16Linear(_PrepackedLinear):
+    """bf16 on a CPU with native bf16: `F.linear` (oneDNN's bf16 GEMM) at the padded row counts.
+    Without them its per-shape primitive cache grew the bf16 server ~60 KB a request (#29)."""
+
+    kind = "bf16-padded"
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to(torch.bfloat16).contiguous()
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        num_rows = x.shape[0]
+        rows = padded_rows(num_rows)
+        if rows == num_rows:
+            return F.linear(x, self.packed, self.bias)
+        return F.linear(_padded_input(x, rows), self.packed, self.bias)[:num_rows]
+
+
 _scratch = threading.local()
 
 
@@ -106,13 +124,16 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-_BY_KIND: dict[str, type[_PrepackedLinear]] = {c.kind: c for c in (PackedLinear, Bf16PackedLinear)}
+_BY_KIND: dict[str, type[_PrepackedLinear]] = {
+    c.kind: c for c in (PackedLinear, Bf16PackedLinear, PaddedBf16Linear)
+}
 
 
 def pack_linears(model: nn.Module, kind: str = "onednn") -> int:
     """Replace every `nn.Linear` in `model` by a packed one; returns how many were replaced.
 
-    kind: "onednn" (`PackedLinear`, fp32) or "bf16-kernel" (`Bf16PackedLinear`).
+    kind: "onednn" (`PackedLinear`, fp32), "bf16-kernel" (`Bf16PackedLinear`) or "bf16-padded"
+    (`PaddedBf16Linear`).
 
     A tied lm_head gets its own packed copy; the embedding keeps the plain weight it indexes.
     """
