@@ -245,44 +245,45 @@ def test_a_rejected_draft_gives_its_blocks_back_and_its_positions_are_computed_a
 
 
 def test_a_long_step_is_cut_decode_rows_take_turns_and_a_newcomer_goes_first() -> None:
-    eng = FakeEngine(num_blocks=256, max_seqs=32, max_tokens=64, speculative="off")
-    reqs = [_req(f"g{i}", 4, max_tokens=100) for i in range(16)]
+    eng = FakeEngine(num_blocks=1024, max_seqs=128, max_tokens=256, speculative="off")
+    reqs = [_req(f"g{i}", 4, max_tokens=100) for i in range(64)]
     for r in reqs:
         eng.sched.add_request(r)
     eng.step()  # every prompt in one step
     assert all(r.num_output_tokens == 1 for r in reqs)
-    costs = eng.sched.step_costs  # compute-bound, 25 ms a row: 16 rows take 400 ms
-    for rows in (16, 8, 4, 2):
-        costs.record(rows, 0.025 * rows)
-    assert eng.sched.sizer.target == 0.15  # the default: a step of at most 4 rows here
+    costs = eng.sched.step_costs  # compute-bound, 5 ms a row: 64 rows take 320 ms
+    for rows in (64, 32, 16, 8):
+        costs.record(rows, 0.005 * rows)
+    assert eng.sched.sizer.target == 0.15  # the default: a step of at most 16 rows here
     seen: list[str] = []
     for _ in range(4):
         scheduled = eng.step()
-        assert [n for _, n in scheduled] == [1] * 4
+        assert [n for _, n in scheduled] == [1] * 16
         seen += [r.req_id for r, _ in scheduled]
     assert sorted(seen) == sorted(r.req_id for r in reqs)  # each decoded once in four steps
     assert all(r.num_output_tokens == 2 for r in reqs)
-    new = _req("new", 6)
+    new = _req("new", 16)
     eng.sched.add_request(new)
     scheduled = eng.step()  # the fast lane: the newcomer's prompt in a step of its own
-    assert scheduled == [(new, 4)] and new.num_output_tokens == 0
-    scheduled = eng.step()  # never two in a row: the rest of the prompt, a quarter for decode
-    assert scheduled[0] == (new, 2) and [n for _, n in scheduled[1:]] == [1, 1]
-    assert new.num_output_tokens == 1
+    assert scheduled == [(new, 16)] and new.num_output_tokens == 1
+    new2 = _req("new2", 20)
+    eng.sched.add_request(new2)
+    scheduled = eng.step()  # never two lanes in a row: the prompt first, a quarter for decode
+    assert scheduled[0] == (new2, 12) and [n for _, n in scheduled[1:]] == [1] * 4
     eng.sched.sizer.target = 0.0  # off: every running sequence in each step
-    assert len(eng.step()) == 17
+    assert len(eng.step()) == 66
 
 
 def test_newcomers_beside_a_long_step_that_cannot_be_split_get_a_step_of_their_own() -> None:
-    eng = FakeEngine(num_blocks=256, max_seqs=32, max_tokens=64, speculative="off")
-    reqs = [_req(f"g{i}", 4, max_tokens=100) for i in range(16)]
+    eng = FakeEngine(num_blocks=1024, max_seqs=128, max_tokens=256, speculative="off")
+    reqs = [_req(f"g{i}", 4, max_tokens=100) for i in range(32)]
     for r in reqs:
         eng.sched.add_request(r)
     eng.step()
-    costs = eng.sched.step_costs  # memory-bound: 16 rows take 200 ms, 8 rows 190 ms
-    costs.record(16, 0.2)
-    costs.record(8, 0.19)
-    assert len(eng.step()) == 16  # too long, but halving it would cost 90% more a row
+    costs = eng.sched.step_costs  # memory-bound: 32 rows take 200 ms, 16 rows 190 ms
+    costs.record(32, 0.2)
+    costs.record(16, 0.19)
+    assert len(eng.step()) == 32  # too long, but halving it would cost 90% more a row
     a, b = _req("a", 3), _req("b", 5)
     eng.sched.add_request(a)
     eng.sched.add_request(b)
@@ -290,9 +291,23 @@ def test_newcomers_beside_a_long_step_that_cannot_be_split_get_a_step_of_their_o
     assert a.num_output_tokens == b.num_output_tokens == 1
     c = _req("c", 3)
     eng.sched.add_request(c)
-    scheduled = eng.step()  # never two lanes in a row; 18 rows are cut to the 16 measured
-    assert scheduled[0] == (c, 3) and sum(n for _, n in scheduled) == 16
+    scheduled = eng.step()  # never two lanes in a row; 34 rows are cut to the 32 measured
+    assert scheduled[0] == (c, 3) and sum(n for _, n in scheduled) == 32
     eng.sched.sizer.target = 0.0
     d = _req("d", 3)
     eng.sched.add_request(d)
-    assert len(eng.step()) == 20  # off: newcomers join the full step
+    assert len(eng.step()) == 36  # off: newcomers join the full step
+
+
+def test_few_sequences_are_never_cut_nor_given_a_lane() -> None:
+    eng = FakeEngine(num_blocks=256, max_seqs=32, max_tokens=64, speculative="off")
+    reqs = [_req(f"g{i}", 4, max_tokens=100) for i in range(8)]
+    for r in reqs:
+        eng.sched.add_request(r)
+    eng.step()
+    for rows in (8, 4, 2, 1):  # compute-bound and long, but 8 rows are few: memory-bound on a CPU
+        eng.sched.step_costs.record(rows, 0.05 * rows)
+    assert len(eng.step()) == 8
+    new = _req("new", 3)
+    eng.sched.add_request(new)
+    assert len(eng.step()) == 9

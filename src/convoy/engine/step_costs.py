@@ -115,6 +115,9 @@ class StepSizer:
     # A step is cut only while its time per row stays within 1 / this of the whole step's:
     # where it is compute-bound, not where every row reads the weights anew
     MIN_EFFICIENCY = 0.85
+    # Below this many rows a CPU step is bound by reading the weights: never cut to fewer, and
+    # no fast lane beside fewer (a newcomer's prompt costs them little more)
+    MIN_ROWS = 16
 
     def __init__(self, target: float) -> None:
         self.costs = StepCosts()
@@ -125,15 +128,18 @@ class StepSizer:
         """Tokens for the next step when a step of every running sequence is predicted longer
         than the target and a smaller one costs little more per row (`StepCosts.row_cap`);
         else None."""
-        if self.target <= 0 or num_running == 0:
+        if self.target <= 0 or num_running <= self.MIN_ROWS:
             return None
-        return self.costs.row_cap(num_running, self.target, self.MIN_EFFICIENCY)
+        cap = self.costs.row_cap(num_running, self.target, self.MIN_EFFICIENCY)
+        return None if cap is None else max(cap, self.MIN_ROWS)
 
     def lane(self, step: int, num_running: int, newcomers: bool) -> bool:
         """Does step number `step` run only prompt work? When interactive newcomers wait and a
         step of the running sequences is predicted longer than the target (never two such
         steps in a row, so decode rows are never starved)."""
-        if self.target <= 0 or not newcomers or not num_running or self.last_lane == step - 1:
+        if self.target <= 0 or not newcomers or num_running < self.MIN_ROWS:
+            return False
+        if self.last_lane == step - 1:
             return False
         full = self.costs.predict(num_running)
         return full is not None and full > self.target
