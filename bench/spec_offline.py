@@ -25,8 +25,9 @@ def main() -> None:
     parser.add_argument("--modes", default="off,auto,off,auto")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--files", type=int, default=10, help="code pieces, cycled")
+    parser.add_argument("--step-target-ms", type=float, default=None, help="default: LLM's")
     args = parser.parse_args()
-    llm = LLM()
+    llm = LLM() if args.step_target_ms is None else LLM(step_target_ms=args.step_target_ms)
     tok = llm.tokenizer
     reqs = (edit_requests(args.files, 0) * (-(-args.requests // args.files)))[: args.requests]
     prompts = [tok.apply_chat_template(r.messages) for r in reqs]

@@ -268,8 +268,8 @@ def test_a_long_step_is_cut_decode_rows_take_turns_and_a_newcomer_goes_first() -
     assert scheduled == [(new, 16)] and new.num_output_tokens == 1
     new2 = _req("new2", 20)
     eng.sched.add_request(new2)
-    scheduled = eng.step()  # never two lanes in a row: the prompt first, a quarter for decode
-    assert scheduled[0] == (new2, 12) and [n for _, n in scheduled[1:]] == [1] * 4
+    scheduled = eng.step()  # never two lanes in a row: the whole prompt first, 16 decode rows
+    assert scheduled[0] == (new2, 20) and [n for _, n in scheduled[1:]] == [1] * 16
     eng.sched.sizer.target = 0.0  # off: every running sequence in each step
     assert len(eng.step()) == 66
 
@@ -291,8 +291,8 @@ def test_newcomers_beside_a_long_step_that_cannot_be_split_get_a_step_of_their_o
     assert a.num_output_tokens == b.num_output_tokens == 1
     c = _req("c", 3)
     eng.sched.add_request(c)
-    scheduled = eng.step()  # never two lanes in a row; 34 rows are cut to the 32 measured
-    assert scheduled[0] == (c, 3) and sum(n for _, n in scheduled) == 32
+    scheduled = eng.step()  # never two lanes in a row; 34 decode rows are cut to 32
+    assert scheduled[0] == (c, 3) and [n for _, n in scheduled[1:]] == [1] * 32
     eng.sched.sizer.target = 0.0
     d = _req("d", 3)
     eng.sched.add_request(d)

@@ -129,11 +129,11 @@ class Scheduler:
             fg.running or fg.waiting
         )
         self.num_steps += 1
-        cap = self.sizer.cap(self.num_running)
-        budget = min(cap or self.max_num_batched_tokens, self.max_num_batched_tokens)
+        cap = self.sizer.cap(self.num_running)  # decode rows, when a step of all is too long
+        budget = self.max_num_batched_tokens
         lane = self.sizer.lane(self.num_steps, self.num_running, bool(fg.waiting))
         if lane:  # newcomers beside a long step: their prompts in a step of their own
-            budget = self._schedule_prompts(out, budget, decodes=False)
+            budget = self._schedule_prompts(out, budget, decode_rows=0)
             lane = bool(out.scheduled)
             self.sizer.last_lane = self.num_steps if lane else self.sizer.last_lane
         if lane:
@@ -142,11 +142,12 @@ class Scheduler:
             budget = self._schedule_running(out, fg.running, budget)
             budget = self._admit_interactive(out, budget)
         else:
-            budget = self._schedule_prompts(out, budget, decodes=True)
+            budget = self._schedule_prompts(out, budget, decode_rows=cap)
         if (self.batch.running or self.batch.waiting) and not lane:
             self._schedule_batch(out, budget, is_shared, rotate=cap is not None)
-        rows = sum(num_new for _, num_new in out.scheduled)
-        room = (cap or self.max_num_batched_tokens) - rows  # a capped step's drafts fit in it
+        room = self.max_num_batched_tokens - sum(num_new for _, num_new in out.scheduled)
+        if cap is not None:  # a cut step's drafts fit in its decode rows' cap
+            room = min(room, cap - sum(num_new == 1 for _, num_new in out.scheduled))
         self.drafts.add_drafts(out.scheduled, room, self.max_model_len)
         out.seqs = [scheduled_seq(req, num_new) for req, num_new in out.scheduled]
         return out
@@ -292,21 +293,22 @@ class Scheduler:
             budget = self._schedule_waiting(out, self.interactive, budget, self.max_num_seqs)
         return budget
 
-    def _schedule_prompts(self, out: SchedulerOutput, budget: int, decodes: bool) -> int:
-        """Prompt work first (the chunks of prompts under way, then newcomers), so a first
-        token comes soon; with `decodes` (a capped step, `StepSizer.cap`) a quarter of the
-        budget is kept for decode rows, which take turns (those that ran longest ago first),
-        without (a fast-lane step, `StepSizer.lane`) none run. Returns the tokens left."""
+    def _schedule_prompts(self, out: SchedulerOutput, budget: int, decode_rows: int) -> int:
+        """Prompt work first (the chunks of prompts under way, then newcomers, in the whole
+        token budget but `decode_rows` tokens), so a first token comes soon; then at most
+        `decode_rows` decode rows (a cut step, `StepSizer.cap`; none in a fast-lane step,
+        `StepSizer.lane`), which take turns: those that ran longest ago first. Returns the
+        tokens left."""
         prompts: list[Request] = []
-        waiting: list[Request] = []
+        decodes: list[Request] = []
         for req in self.interactive.running:
-            (waiting if req.num_tokens - req.num_computed_tokens == 1 else prompts).append(req)
-        kept = budget // 4 if waiting and decodes else 0
+            (decodes if req.num_tokens - req.num_computed_tokens == 1 else prompts).append(req)
+        kept = min(decode_rows, len(decodes))
         left = self._schedule_running(out, prompts, budget - kept)
         left = self._admit_interactive(out, left)
-        if not decodes:
+        if not decode_rows:
             return left
-        return self._schedule_running(out, waiting, left + kept, rotate=True)
+        return self._schedule_running(out, decodes, left + kept, decode_rows, rotate=True)
 
     def _victim(self) -> Request:
         """Who gives blocks back: the newest batch sequence (paused ones are the newest), else
