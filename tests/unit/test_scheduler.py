@@ -244,13 +244,19 @@ def test_a_rejected_draft_gives_its_blocks_back_and_its_positions_are_computed_a
     assert req.num_output_tokens == 40 and eng.bm.num_used_blocks == 0
 
 
-def test_a_long_step_is_cut_decode_rows_take_turns_and_a_newcomer_goes_first() -> None:
-    eng = FakeEngine(num_blocks=1024, max_seqs=128, max_tokens=256, speculative="off")
-    reqs = [_req(f"g{i}", 4, max_tokens=100) for i in range(64)]
+def _decoding(n: int, max_seqs: int = 128) -> tuple[FakeEngine, list[Request]]:
+    """An engine whose n sequences have computed their prompts and sampled once."""
+    eng = FakeEngine(num_blocks=1024, max_seqs=max_seqs, max_tokens=256, speculative="off")
+    reqs = [_req(f"g{i}", 4, max_tokens=100) for i in range(n)]
     for r in reqs:
         eng.sched.add_request(r)
     eng.step()  # every prompt in one step
     assert all(r.num_output_tokens == 1 for r in reqs)
+    return eng, reqs
+
+
+def test_a_long_step_is_cut_decode_rows_take_turns_and_a_newcomer_goes_first() -> None:
+    eng, reqs = _decoding(64)
     costs = eng.sched.step_costs  # compute-bound, 5 ms a row: 64 rows take 320 ms
     for rows in (64, 32, 16, 8):
         costs.record(rows, 0.005 * rows)
@@ -275,11 +281,7 @@ def test_a_long_step_is_cut_decode_rows_take_turns_and_a_newcomer_goes_first() -
 
 
 def test_newcomers_beside_a_long_step_that_cannot_be_split_get_a_step_of_their_own() -> None:
-    eng = FakeEngine(num_blocks=1024, max_seqs=128, max_tokens=256, speculative="off")
-    reqs = [_req(f"g{i}", 4, max_tokens=100) for i in range(32)]
-    for r in reqs:
-        eng.sched.add_request(r)
-    eng.step()
+    eng, _ = _decoding(32)
     costs = eng.sched.step_costs  # memory-bound: 32 rows take 200 ms, 16 rows 190 ms
     costs.record(32, 0.2)
     costs.record(16, 0.19)
@@ -300,11 +302,7 @@ def test_newcomers_beside_a_long_step_that_cannot_be_split_get_a_step_of_their_o
 
 
 def test_few_sequences_are_never_cut_nor_given_a_lane() -> None:
-    eng = FakeEngine(num_blocks=256, max_seqs=32, max_tokens=64, speculative="off")
-    reqs = [_req(f"g{i}", 4, max_tokens=100) for i in range(8)]
-    for r in reqs:
-        eng.sched.add_request(r)
-    eng.step()
+    eng, _ = _decoding(8, max_seqs=32)
     for rows in (8, 4, 2, 1):  # compute-bound and long, but 8 rows are few: memory-bound on a CPU
         eng.sched.step_costs.record(rows, 0.05 * rows)
     assert len(eng.step()) == 8
