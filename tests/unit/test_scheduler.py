@@ -247,6 +247,8 @@ def test_a_rejected_draft_gives_its_blocks_back_and_its_positions_are_computed_a
 def _decoding(n: int, max_seqs: int = 128) -> tuple[FakeEngine, list[Request]]:
     """An engine whose n sequences have computed their prompts and sampled once."""
     eng = FakeEngine(num_blocks=1024, max_seqs=max_seqs, max_tokens=256, speculative="off")
+    assert eng.sched.sizer.target == 0  # off by default
+    eng.sched.sizer.target = 0.15
     reqs = [_req(f"g{i}", 4, max_tokens=100) for i in range(n)]
     for r in reqs:
         eng.sched.add_request(r)
@@ -260,7 +262,7 @@ def test_a_long_step_is_cut_decode_rows_take_turns_and_a_newcomer_goes_first() -
     costs = eng.sched.step_costs  # compute-bound, 5 ms a row: 64 rows take 320 ms
     for rows in (64, 32, 16, 8):
         costs.record(rows, 0.005 * rows)
-    assert eng.sched.sizer.target == 0.15  # the default: a step of at most 16 rows here
+    # a target of 150 ms: a step of at most 16 rows here
     seen: list[str] = []
     for _ in range(4):
         scheduled = eng.step()
