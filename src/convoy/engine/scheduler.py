@@ -80,10 +80,9 @@ class Scheduler:
         self.interactive = SeqQueues()
         self.batch = SeqQueues()
         self._queues = (self.interactive, self.batch)  # indexed by Priority
-        # Speculative decoding: drafts go to decoding sequences after everything else is
-        # scheduled, into the token budget and free blocks left over
         # How large a step is: measured step costs (EngineCore records them) against
-        # --step-target-ms; the step costs also price draft rows
+        # --step-target-ms. The same costs price draft rows: drafts go to decoding sequences
+        # after everything else is scheduled, into the token budget and free blocks left over
         self.sizer = StepSizer(config.step_target_ms / 1e3)
         self.step_costs = self.sizer.costs
         self.drafts = DraftPlanner(config, block_manager, self.step_costs)
@@ -134,10 +133,9 @@ class Scheduler:
         lane = self.sizer.lane(self.num_steps, self.num_running, bool(fg.waiting))
         if lane:  # newcomers beside a long step: their prompts in a step of their own
             budget = self._schedule_prompts(out, budget, decode_rows=0)
-            lane = bool(out.scheduled)
-            self.sizer.last_lane = self.num_steps if lane else self.sizer.last_lane
+            lane = bool(out.scheduled)  # none could be admitted: an ordinary step instead
         if lane:
-            pass
+            self.sizer.last_lane = self.num_steps
         elif cap is None:
             budget = self._schedule_running(out, fg.running, budget)
             budget = self._admit_interactive(out, budget)
