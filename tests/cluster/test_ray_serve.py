@@ -260,6 +260,13 @@ async def _load_while_killing(server: Server, fault: Path) -> list[str]:
     return list(await asyncio.gather(*tasks))
 
 
+def _from_serve(response: httpx.Response) -> bool:
+    """Serve's own plain-text 500: a request its proxy sent to the dead replica's actor as the
+    controller stopped it (a race inside Ray Serve; the openai client retries a 500). Convoy's
+    app answers every error, an unexpected one too, with a JSON error object, never this."""
+    return response.status_code == 500 and response.text == "Internal Server Error"
+
+
 def test_a_replica_killed_under_load_is_replaced_and_the_endpoint_keeps_serving(
     replicas: tuple[Server, Path],
 ) -> None:
@@ -278,7 +285,7 @@ def test_a_replica_killed_under_load_is_replaced_and_the_endpoint_keeps_serving(
         while not new:  # meanwhile the dead replica may still answer 503
             assert time.monotonic() < deadline, f"no new replica after {REPLACED_WITHIN_S}s"
             response = h.post("/v1/completions", json=BODY)
-            assert response.status_code in (200, 503), response.text
+            assert response.status_code in (200, 503) or _from_serve(response), response.text
             new = {response.headers[REPLICA_HEADER]} - before if response.is_success else set()
         after = {_replica_of(h) for _ in range(12)}  # every request succeeds (asserted inside)
     assert len(after - before) == 1, (before, after)  # the new replica serves; one was replaced
