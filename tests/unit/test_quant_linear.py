@@ -28,8 +28,11 @@ from convoy.kernels.ops import (
     QUANT_KIND_Q3,
     QUANT_KIND_Q4,
     QUANT_KIND_Q4D,
+    QUANT_KIND_Q4K,
     QUANT_KIND_Q5,
+    QUANT_KIND_Q5K,
     QUANT_KIND_Q6,
+    QUANT_KIND_Q6K,
     QUANT_KIND_Q8,
     QUANT_KIND_Q8M,
     QUANT_KIND_Q8S,
@@ -51,7 +54,9 @@ HALF_FIELDS = {  # byte offsets of a GGUF block's fp16 scale (and min/offset) fi
     T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
     T.IQ4_NL: [0], T.IQ4_XS: [0], T.Q2_K: [80, 82], T.Q3_K: [108],
 }  # fmt: skip
-EXACT = {*LEGACY, T.IQ4_NL}  # scales stored as they are used (no fp16-rounded products)
+# scales stored as they are used, no fp16-rounded products (Q4_K, Q5_K, Q6_K alone: their
+# superblock-scaled kinds keep the file's d and 8-bit sub-block scales)
+EXACT = {*LEGACY, T.IQ4_NL, *KQUANTS}
 
 
 def _blocks(n: int, k: int, qtype: T, seed: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -110,6 +115,12 @@ def test_every_type_matches_the_references_for_every_batch_size(qtype: T) -> Non
 
 
 def test_batch_invariance_for_every_batch_size_up_to_300() -> None:
+    q4_1 = QuantLinear(_blocks(45, 512, T.Q4_1, seed=11)[0], int(T.Q4_1), 512, None)
+    q5_1 = QuantLinear(_blocks(45, 512, T.Q5_1, seed=12)[0], int(T.Q5_1), 512, None)
+    parts = [(int(T.Q3_K), _blocks(16, 512, T.Q3_K, seed=13)[0])]
+    q6 = QuantLinear.from_parts(
+        [*parts, (int(T.Q6_K), _blocks(29, 512, T.Q6_K, seed=14)[0])], 512, None
+    )
     blocks, _ = _blocks(45, 512, T.Q4_K, seed=3)
     q4 = QuantLinear(blocks, int(T.Q4_K), 512, None)
     blocks, _ = _blocks(45, 512, T.Q6_K, seed=4)
@@ -124,12 +135,13 @@ def test_batch_invariance_for_every_batch_size_up_to_300() -> None:
     q4d = QuantLinear(blocks, int(T.Q2_K), 512, None)
     blocks, _ = _blocks(45, 512, T.Q5_K, seed=10)
     q5 = QuantLinear(blocks, int(T.Q5_K), 512, None)
-    assert [m.panel_kind for m in (q4, q8, q8s, i4, q3, q4d, q5)] == [
-        QUANT_KIND_Q4, QUANT_KIND_Q6, QUANT_KIND_Q8S, QUANT_KIND_I4, QUANT_KIND_Q3, QUANT_KIND_Q4D,
-        QUANT_KIND_Q5,
+    layers = (q4, q8, q8s, i4, q3, q4d, q5, q4_1, q5_1, q6)
+    assert [m.panel_kind for m in layers] == [
+        QUANT_KIND_Q4K, QUANT_KIND_Q6K, QUANT_KIND_Q8S, QUANT_KIND_I4, QUANT_KIND_Q3, QUANT_KIND_Q4D,
+        QUANT_KIND_Q5K, QUANT_KIND_Q4, QUANT_KIND_Q5, QUANT_KIND_Q6,
     ]  # fmt: skip
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(5))
-    for layer in (q4, q8, q8s, i4, q3, q4d, q5):
+    for layer in layers:
         full = layer(x)
         for m in range(1, 301):
             assert torch.equal(layer(x[:m]), full[:m]), m
@@ -212,6 +224,35 @@ def test_bit_plane_panels_are_narrow_and_compute_what_8_bit_panels_do(
         assert torch.allclose(ya, yb, rtol=1e-5, atol=1e-5 * yb.abs().max().item())
 
 
+@pytest.mark.parametrize(
+    ("qtype", "kind", "base", "bits"),
+    [(T.Q4_K, QUANT_KIND_Q4K, QUANT_KIND_Q4, 4.625), (T.Q5_K, QUANT_KIND_Q5K, QUANT_KIND_Q5, 5.625),
+     (T.Q6_K, QUANT_KIND_Q6K, QUANT_KIND_Q6, 6.625)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)  # fmt: skip
+def test_superblock_scaled_panels_are_as_narrow_as_the_file(
+    qtype: T, kind: int, base: int, bits: float
+) -> None:
+    """Q4_K, Q5_K and Q6_K alone keep their 8-bit sub-block scales and fp16 superblock scales:
+    the panels hold at most 1/36 more bytes than the file (a 160-byte header a superblock of 8
+    rows: Q4_K and Q5_K 0.125 bits a weight more, Q6_K 0.0625), fewer than the base kind with an
+    fp16 scale a block, and the product is the base kind's within its fp16 rounding of d * sc."""
+    n, k = 45, 768
+    blocks, w = _blocks(n, k, qtype, seed=31)
+    a, b = (quant_pack(blocks, int(qtype), kd, k) for kd in (kind, base))
+    assert a.numel() == -(-n // 8) * 8 * k * bits / 8 < b.numel()
+    elems, nbytes = QUANT_BLOCKS[int(qtype)]
+    assert a.numel() * 36 <= -(-n // 8) * 8 * k // elems * nbytes * 37  # <= 1/36 over the file
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(32))
+    ya, yb = (quant_linear(x, p, kd, n, None) for p, kd in ((a, kind), (b, base)))
+    assert torch.allclose(ya, yb, rtol=0, atol=2**-9 * yb.abs().max().item())
+    rows = QuantLinear(blocks, int(qtype), k, None).dequantize_rows(torch.arange(n))
+    _check(QuantLinear(blocks, int(qtype), k, None), x, rows)
+    with pytest.raises(RuntimeError, match="holds its own K-quant type only"):
+        quant_pack(_blocks(8, k, T.Q4_K if qtype != T.Q4_K else T.Q6_K, seed=1)[0],
+                   int(T.Q4_K if qtype != T.Q4_K else T.Q6_K), kind, k)  # fmt: skip
+
+
 def test_bias_and_leading_dims() -> None:
     blocks, w = _blocks(10, 64, T.Q4_1, seed=1)
     bias = torch.arange(10, dtype=torch.float32)
@@ -272,10 +313,20 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
     if builder.isa() == "generic":
         pytest.skip("this host cannot run AVX2 code")
     cases = []
-    for i, qtype in enumerate([T.Q4_1, T.Q8_0, T.Q5_K, T.Q6_K, *NEWER]):
+    for i, qtype in enumerate([T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *NEWER]):
         blocks, _ = _blocks(21, 256, qtype, seed=i)
         cases.append((int(qtype), blocks, 256, torch.randn(9, 256)))
+    cases += _base_kind_cases()
     _assert_same_bits_when_built_for("avx2", cases, tmp_path)
+
+
+def _base_kind_cases() -> list:
+    """K-quants joined with other types: the base kinds kQ4, kQ5, kQ6 of their fp16 scales."""
+    cases = []
+    for i, types in enumerate(([T.Q4_K, T.Q4_0], [T.Q4_K, T.Q5_K], [T.Q3_K, T.Q6_K])):
+        parts = [(int(t), _blocks(16, 256, t, seed=40 + i)[0]) for t in types]
+        cases.append((parts, None, 256, torch.randn(9, 256)))
+    return cases
 
 
 def test_the_portable_build_gives_the_same_bits(tmp_path: Path) -> None:
@@ -287,6 +338,7 @@ def test_the_portable_build_gives_the_same_bits(tmp_path: Path) -> None:
         cases.append((int(qtype), blocks, 256, torch.randn(37, 256)))
     parts = [(int(T.Q3_K), _blocks(16, 256, T.Q3_K, seed=1)[0]), (int(T.Q5_K), cases[2][1])]
     cases.append((parts, None, 256, torch.randn(5, 256)))  # Q3_K in 8-bit panels
+    cases += _base_kind_cases()
     _assert_same_bits_when_built_for("generic", cases, tmp_path)
 
 

@@ -32,6 +32,7 @@ from convoy.kernels.ops import (
     QUANT_KIND_Q8S,
     QUANT_TYPES,
     QUANT_TYPES_8BIT,
+    SUPERBLOCK_BASE,
     quant_dequant_rows,
     quant_linear,
     quant_linear_out,
@@ -190,6 +191,9 @@ def panel_kind(qtypes: Sequence[int]) -> int:
     """The panel kind that holds weights of all these GGUF types exactly; ValueError where none
     does (Q2_K's two offsets a block beside a type of int8 quants)."""
     kinds = {QUANT_TYPES[q] for q in qtypes}
+    if len(kinds) == 1:
+        return kinds.pop()
+    kinds = {SUPERBLOCK_BASE.get(k, k) for k in kinds}  # a superblock's scales are the file's own
     if len(kinds) == 1:
         return kinds.pop()
     # Q3_K's q + 4 with offsets -4 d fits 4 bits; a one-scale block is a two-scale one with equal

@@ -69,10 +69,16 @@ def bf16_linear(
 # into: 0 = 4-bit quants + scale + offset, 1 = int8 quants + two half-block scales, 2 = int8 quants
 # + two scales + offset, 3 = int8 quants + one scale, 4 = 4-bit indices into the IQ4 codebook +
 # one scale, 5 = 4-bit quants + two half-block scales and offsets, 6 = 5-bit quants in bit planes +
-# scale + offset, 7 = 6-bit and 8 = 3-bit quants in bit planes + two half-block scales) and their
-# (weights, bytes) per GGUF block.
+# scale + offset, 7 = 6-bit and 8 = 3-bit quants in bit planes + two half-block scales; 9, 10, 11 =
+# 0, 6, 7 with the file's 8-bit sub-block scales and its superblocks' fp16 d (and dmin): Q4_K,
+# Q5_K, Q6_K alone, as narrow as the file) and their (weights, bytes) per GGUF block.
 QUANT_KIND_Q4, QUANT_KIND_Q8, QUANT_KIND_Q8M, QUANT_KIND_Q8S = 0, 1, 2, 3
 QUANT_KIND_I4, QUANT_KIND_Q4D, QUANT_KIND_Q5, QUANT_KIND_Q6, QUANT_KIND_Q3 = 4, 5, 6, 7, 8
+QUANT_KIND_Q4K, QUANT_KIND_Q5K, QUANT_KIND_Q6K = 9, 10, 11
+# A superblock-scaled kind in a linear joined with other types: its base kind holds the same
+SUPERBLOCK_BASE: dict[int, int] = {
+    QUANT_KIND_Q4K: QUANT_KIND_Q4, QUANT_KIND_Q5K: QUANT_KIND_Q5, QUANT_KIND_Q6K: QUANT_KIND_Q6,
+}  # fmt: skip
 QUANT_TYPES: dict[int, int] = {
     2: QUANT_KIND_Q4,  # Q4_0
     3: QUANT_KIND_Q4,  # Q4_1
@@ -81,9 +87,9 @@ QUANT_TYPES: dict[int, int] = {
     8: QUANT_KIND_Q8S,  # Q8_0
     10: QUANT_KIND_Q4D,  # Q2_K
     11: QUANT_KIND_Q3,  # Q3_K
-    12: QUANT_KIND_Q4,  # Q4_K
-    13: QUANT_KIND_Q5,  # Q5_K
-    14: QUANT_KIND_Q6,  # Q6_K
+    12: QUANT_KIND_Q4K,  # Q4_K
+    13: QUANT_KIND_Q5K,  # Q5_K
+    14: QUANT_KIND_Q6K,  # Q6_K
     20: QUANT_KIND_I4,  # IQ4_NL
     23: QUANT_KIND_I4,  # IQ4_XS
 }

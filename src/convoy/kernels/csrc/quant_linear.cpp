@@ -14,6 +14,8 @@
 //   kQ5  (Q5_0, Q5_1, Q5_K, or kQ4):  5-bit q 0..31,     fp16 d, fp16 m          192 B / 8x32
 //   kQ6  (Q6_K, or Q3_K with it):     6-bit q + 32,      fp16 d0, d1 (m = 0)     224 B / 8x32
 //   kQ3  (Q3_K):                      3-bit q + 4,       fp16 d0, d1 (m = 0)     128 B / 8x32
+//   kQ4K, kQ5K, kQ6K (Q4_K, Q5_K, Q6_K alone): kQ4's, kQ5's, kQ6's quants, the file's 8-bit
+//                                     scales per block and fp16 d (dmin) per superblock, below
 // (kQ4D: each 16-weight half has its own scale and offset; Q3_K's signed q -4..3 is stored as
 // q + 4 with offsets -4 d.) kI4 and kQ8S types in one linear are packed as kQ8S (the codebook's
 // values are int8), Q3_K with 8-bit kinds as kQ8/kQ8M (signed q, no offset); Q2_K's two offsets
@@ -77,14 +79,37 @@ constexpr int64_t kTileM = 64;  // activation rows per tile: their int8 blocks s
 constexpr int64_t kMR = 4;      // activation rows per register tile
 
 enum Kind : int64_t {
-  kQ4 = 0, kQ8 = 1, kQ8M = 2, kQ8S = 3, kI4 = 4, kQ4D = 5, kQ5 = 6, kQ6 = 7, kQ3 = 8
+  kQ4 = 0, kQ8 = 1, kQ8M = 2, kQ8S = 3, kI4 = 4, kQ4D = 5, kQ5 = 6, kQ6 = 7, kQ3 = 8,
+  kQ4K = 9, kQ5K = 10, kQ6K = 11
 };  // fmt: the Python side's QUANT_KIND_* (kernels/ops.py)
+
+// Superblock-scaled kinds (kQ4K, kQ5K, kQ6K: Q4_K, Q5_K, Q6_K alone) keep the file's scales: a
+// panel is a run of superblocks (8 blocks, 256 weights of 8 rows), each a 160-byte header, then
+// the 8 blocks' quants laid out as the base kind's (kQ4, kQ5, kQ6) without their fp16 scales:
+//   header: fp16 d[8 rows] | fp16 dmin[8] (kQ6K: zero) | u8 sc[8 blocks][8 rows] (kQ6K: int8
+//           sc0) | u8 mn[8][8] (kQ6K: int8 sc1)
+// So the panel is about as narrow as the file (Q4_K 4.625 bits a weight against kQ4's 5.0, Q6_K
+// 6.625 against 7.0), every 32-byte load stays within a cache line, and a scale d * sc (an fp16
+// times a 6- or 8-bit integer) is exact in fp32 where kQ4's fp16 d * sc rounded it.
+constexpr int64_t kSuperBlocks = 8;  // 32-blocks in a K-quant superblock of 256
+inline bool sb_kind(int64_t kind) { return kind == kQ4K || kind == kQ5K || kind == kQ6K; }
+inline int64_t base_kind(int64_t kind) {
+  return kind == kQ4K ? kQ4 : kind == kQ5K ? kQ5 : kind == kQ6K ? kQ6 : kind;
+}
+constexpr int64_t kSbHeader = 160;  // bytes of a superblock's header
+constexpr int64_t kSbScales = 32, kSbSecond = 96;  // its 8-bit scales' (and mins') offsets
 
 // Bit-plane kinds: the bytes of each part in a panel block, and the integer offset of the stored
 // quants (kQ5's offset is a float m, as kQ4's)
 constexpr int64_t kNibbleBytes = 4 * 32, kPlane2Bytes = 2 * 32, kPlane1Bytes = 32;
-inline bool bit_planes(int64_t kind) { return kind == kQ5 || kind == kQ6 || kind == kQ3; }
-inline int plane_offset(int64_t kind) { return kind == kQ6 ? 32 : kind == kQ3 ? 4 : 0; }
+inline bool bit_planes(int64_t kind) {
+  kind = base_kind(kind);
+  return kind == kQ5 || kind == kQ6 || kind == kQ3;
+}
+inline int plane_offset(int64_t kind) {
+  kind = base_kind(kind);
+  return kind == kQ6 ? 32 : kind == kQ3 ? 4 : 0;
+}
 
 // GGML type ids (gguf.GGMLQuantizationType)
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
@@ -127,8 +152,28 @@ int64_t kind_block_bytes(int64_t kind) {
     case kQ5: return kNibbleBytes + kPlane1Bytes + 2 * 16;
     case kQ6: return kNibbleBytes + kPlane2Bytes + 2 * 16;
     case kQ3: return kPlane2Bytes + kPlane1Bytes + 2 * 16;
+    case kQ4K:
+    case kQ5K:
+    case kQ6K: return kind_block_bytes(base_kind(kind)) - 32;  // the quants alone
     default: TORCH_CHECK(false, "unknown panel kind ", kind);
   }
+}
+
+// The bytes of one panel (8 rows) of nb blocks
+int64_t panel_bytes(int64_t kind, int64_t nb) {
+  if (!sb_kind(kind)) return nb * kind_block_bytes(kind);
+  TORCH_CHECK(nb % kSuperBlocks == 0, "a superblock-scaled panel needs K a multiple of 256");
+  return nb / kSuperBlocks * (kSbHeader + kSuperBlocks * kind_block_bytes(kind));
+}
+
+// Block b's quants in a panel; `header`: its superblock's header (SB kinds)
+inline const uint8_t* block_at(const uint8_t* panel, int64_t kind, int64_t b,
+                               const uint8_t** header = nullptr) {
+  const int64_t bsz = kind_block_bytes(kind);
+  if (!sb_kind(kind)) return panel + b * bsz;
+  const uint8_t* h = panel + b / kSuperBlocks * (kSbHeader + kSuperBlocks * bsz);
+  if (header != nullptr) *header = h;
+  return h + kSbHeader + b % kSuperBlocks * bsz;
 }
 
 inline float half_to_float(const uint8_t* p) {
@@ -148,6 +193,9 @@ inline uint16_t float_to_half(float f) {
 struct Decoded {
   int q[QK];
   float d0, d1, m, m1;  // m1: the second half's offset (Q2_K; every other type: m1 == m)
+  // Q4_K, Q5_K: d0 = d * sc0, m = -dmin * mn; Q6_K: d0 = d * sc0, d1 = d * sc1 (d, dmin as fp16)
+  int sc0, sc1, mn;
+  uint16_t dh, dminh;
 };
 
 // K-quant 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes
@@ -270,6 +318,10 @@ void decode_block(int64_t t, const uint8_t* row, int64_t b, Decoded& o) {
       scale_min_k4(s, p + 4, sc, mn);
       o.d0 = o.d1 = d * static_cast<float>(sc);
       o.m = -dmin * static_cast<float>(mn);
+      o.sc0 = o.sc1 = sc;
+      o.mn = mn;
+      std::memcpy(&o.dh, p, 2);
+      std::memcpy(&o.dminh, p + 2, 2);
       const uint8_t* qh = p + 16;  // Q5_K only
       const uint8_t* qs = p + (t == Q4_K ? 16 : 48) + 32 * (s / 2);
       for (int j = 0; j < QK; ++j) {
@@ -289,6 +341,9 @@ void decode_block(int64_t t, const uint8_t* row, int64_t b, Decoded& o) {
       const float d = half_to_float(p + 208);
       o.d0 = d * static_cast<float>(sc[0]);
       o.d1 = d * static_cast<float>(sc[1]);
+      o.sc0 = sc[0];
+      o.sc1 = sc[1];
+      std::memcpy(&o.dh, p + 208, 2);
       for (int l = 0; l < QK; ++l) {
         const int lo = c < 2 ? (ql[l] & 0x0F) : (ql[l] >> 4);
         o.q[l] = (lo | (((qh[l] >> (2 * c)) & 3) << 4)) - 32;
@@ -427,9 +482,12 @@ at::Tensor quant_pack(const at::Tensor& blocks, int64_t qtype, int64_t kind, int
   const TypeInfo ti = type_info(qtype);
   TORCH_CHECK(K > 0 && K % ti.elems == 0, "K must be a multiple of ", ti.elems);
   TORCH_CHECK(blocks.size(1) == K / ti.elems * ti.bytes, "row size does not match K");
+  TORCH_CHECK(!sb_kind(kind) || qtype == (kind == kQ4K ? Q4_K : kind == kQ5K ? Q5_K : Q6_K),
+              "panel kind ", kind, " holds its own K-quant type only, not type ", qtype);
   const at::Tensor src = blocks.contiguous();
   const int64_t N = src.size(0), nb = K / QK, G = (N + R - 1) / R, bsz = kind_block_bytes(kind);
-  at::Tensor out = at::empty({G, nb * bsz}, src.options());
+  const int64_t pstride = panel_bytes(kind, nb);
+  at::Tensor out = at::empty({G, pstride}, src.options());
   const uint8_t* sp = src.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   const int64_t row_bytes = src.size(1);
@@ -446,22 +504,70 @@ at::Tensor quant_pack(const at::Tensor& blocks, int64_t qtype, int64_t kind, int
             if (kind == kI4) std::fill(rows[r].q, rows[r].q + QK, kIQ4Values[0]);
           }
         }
-        pack_block(rows, kind, op + (g * nb + b) * bsz);
+        const uint8_t* header = nullptr;
+        uint8_t* blk = const_cast<uint8_t*>(block_at(op + g * pstride, kind, b, &header));
+        if (!sb_kind(kind)) {
+          pack_block(rows, kind, blk);
+          continue;
+        }
+        alignas(32) uint8_t base[304];
+        pack_block(rows, base_kind(kind), base);
+        std::memcpy(blk, base, static_cast<size_t>(bsz));
+        uint8_t* h = const_cast<uint8_t*>(header);
+        const int64_t s = b % kSuperBlocks;
+        if (s == 0) std::memset(h, 0, kSbHeader);
+        for (int r = 0; r < R; ++r) {
+          const Decoded& o = rows[r];
+          if (s == 0) {  // the superblock's d (and dmin) of the 8 rows
+            std::memcpy(h + 2 * r, &o.dh, 2);
+            if (kind != kQ6K) std::memcpy(h + 16 + 2 * r, &o.dminh, 2);
+          }
+          if (kind == kQ6K) {
+            h[kSbScales + 8 * s + r] = static_cast<uint8_t>(static_cast<int8_t>(o.sc0));
+            h[kSbSecond + 8 * s + r] = static_cast<uint8_t>(static_cast<int8_t>(o.sc1));
+          } else {
+            TORCH_CHECK(o.sc0 == o.sc1 && o.sc0 >= 0 && o.sc0 < 64 && o.mn >= 0 && o.mn < 64,
+                        "superblock-scaled panel: 6-bit scales");
+            h[kSbScales + 8 * s + r] = static_cast<uint8_t>(o.sc0);
+            h[kSbSecond + 8 * s + r] = static_cast<uint8_t>(o.mn);
+          }
+        }
       }
   });
   return out;
 }
 
-inline bool four_bit(int64_t kind) { return kind == kQ4 || kind == kI4 || kind == kQ4D; }
+inline bool four_bit(int64_t kind) {
+  kind = base_kind(kind);
+  return kind == kQ4 || kind == kI4 || kind == kQ4D;
+}
 
 // One scale a block (the halves' integer dots are added, then scaled once)
 inline bool one_scale(int64_t kind) {
+  kind = base_kind(kind);
   return kind == kQ4 || kind == kQ8S || kind == kI4 || kind == kQ5;
 }
 
-// A panel row's scales and offsets: half 0 (weights 0..15) d0, m0; half 1 d1, m1
-inline void panel_scales(const uint8_t* blk, int64_t kind, int r, float& d0, float& d1, float& m0,
-                         float& m1) {
+// Row r's scales and offsets in block b of a panel: half 0 (weights 0..15) d0, m0;
+// half 1 d1, m1
+inline void panel_scales(const uint8_t* panel, int64_t b, int64_t kind, int r,
+                         float& d0, float& d1, float& m0, float& m1) {
+  const uint8_t* hd = nullptr;
+  const uint8_t* blk = block_at(panel, kind, b, &hd);
+  if (sb_kind(kind)) {  // d * sc, -(dmin * mn): exact in fp32, as the kernels compute them
+    const int64_t s = b % kSuperBlocks;
+    const uint8_t first = hd[kSbScales + 8 * s + r], second = hd[kSbSecond + 8 * s + r];
+    const float d = half_to_float(hd + 2 * r);
+    if (kind == kQ6K) {
+      d0 = d * static_cast<float>(static_cast<int8_t>(first));
+      d1 = d * static_cast<float>(static_cast<int8_t>(second));
+      m0 = m1 = 0.f;
+    } else {
+      d0 = d1 = d * static_cast<float>(first);
+      m0 = m1 = -(half_to_float(hd + 16 + 2 * r) * static_cast<float>(second));
+    }
+    return;
+  }
   const int64_t off =
       bit_planes(kind) ? kind_block_bytes(kind) - 32 : four_bit(kind) ? 128 : 256;
   const auto h = [&](int64_t i) { return half_to_float(blk + off + 2 * (i * R + r)); };
@@ -484,6 +590,7 @@ inline void panel_scales(const uint8_t* blk, int64_t kind, int r, float& d0, flo
 
 // Weight j (0..31) of panel row r as the integer dot takes it: kQ6's and kQ3's less their offset
 inline int panel_quant(const uint8_t* blk, int64_t kind, int r, int j) {
+  kind = base_kind(kind);
   if (bit_planes(kind)) {
     const int h = j / 16, jj = j % 16, byte = 4 * r + jj % 4, l = jj / 4;
     int u;
@@ -514,7 +621,7 @@ at::Tensor quant_dequant_rows(const at::Tensor& packed, int64_t kind, int64_t K,
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "packed: uint8 panels");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: (T,) int64");
   const int64_t nb = K / QK, bsz = kind_block_bytes(kind);
-  TORCH_CHECK(K % QK == 0 && packed.size(1) == nb * bsz, "packed size does not match K");
+  TORCH_CHECK(K % QK == 0 && packed.size(1) == panel_bytes(kind, nb), "packed size does not match K");
   const at::Tensor pc = packed.contiguous(), ic = ids.contiguous();
   const int64_t T = ic.size(0), rows = pc.size(0) * R;
   at::Tensor out = at::empty({T, K}, pc.options().dtype(at::kFloat));
@@ -526,10 +633,11 @@ at::Tensor quant_dequant_rows(const at::Tensor& packed, int64_t kind, int64_t K,
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = ip[t] / R;
       const int r = static_cast<int>(ip[t] % R);
+      const uint8_t* panel = pp + g * pc.size(1);
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = pp + (g * nb + b) * bsz;
+        const uint8_t* blk = block_at(panel, kind, b);
         float d0, d1, m0, m1;
-        panel_scales(blk, kind, r, d0, d1, m0, m1);
+        panel_scales(panel, b, kind, r, d0, d1, m0, m1);
         for (int j = 0; j < QK; ++j)
           op[t * K + b * QK + j] =
               (j < 16 ? d0 : d1) * panel_quant(blk, kind, r, j) + (j < 16 ? m0 : m1);
@@ -621,28 +729,82 @@ inline void prefetch_ahead(const uint8_t* blk) {
     _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBlocks * BSZ + o), _MM_HINT_T0);
 }
 
+// The largest register tile (MR x P) that leaves registers for a superblock's scales (AVX2 has 16
+// vector registers, AVX-512VL 32)
+#ifdef CONVOY_VNNI
+constexpr int kHoistTile = 4;
+#else
+constexpr int kHoistTile = 2;
+#endif
+
+// Superblock-scaled kinds: 8 u8 (or int8) sub-block scales as floats, times the 8 rows' fp16 d
+// of the superblock (exact: at most 11 + 8 significant bits).
+inline __m256 sb_scale(__m256 d, const uint8_t* p, bool is_signed) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(wide));
+}
+// The 8 rows' fp16 d (i = 0) or dmin (i = 1) in a superblock's header
+inline __m256 sb_d(const uint8_t* header, int i) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 16 * i)));
+}
+// Each of P panels' next block (`at`) and its superblock's header, block after block
+template <int P, bool SB, int64_t BSZ>
+struct Cursor {
+  const uint8_t *at[P], *header[P];
+  explicit Cursor(const uint8_t* const* panels) {
+    for (int p = 0; p < P; ++p) {
+      header[p] = panels[p];
+      at[p] = panels[p] + (SB ? kSbHeader : 0);
+    }
+  }
+  void next(int64_t b) {  // past block b
+    for (int p = 0; p < P; ++p) {
+      at[p] += BSZ;
+      if (SB && b % kSuperBlocks == kSuperBlocks - 1) {
+        header[p] = at[p];
+        at[p] += kSbHeader;
+      }
+    }
+  }
+};
+
 // NOTE: each activation row keeps two integer accumulators per panel (low and high nibbles, or the
 // two 16-weight halves), summed after the block: dpbusd has a latency of several cycles, and one
 // chain per row left the kernel latency-bound. Integer sums are exact, so the split changes no
 // result. P panels (2 with VNNI's 32 registers) share each broadcast of the activations.
 // TWO (kQ4D): each half has its own scale and offset, so the halves' sums stay apart.
-template <int MR, int P, bool TWO>
-void panel_q4(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __m256 (*acc)[MR]) {
-  constexpr int64_t bsz = TWO ? 192 : 160;
+template <int MR, int P, bool TWO, bool SB = false>
+void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x,
+              __m256 (*acc)[MR], const float* const* fs = nullptr) {
+  static_assert(!(TWO && SB), "kQ4D has no superblock-scaled form");
+  constexpr int64_t bsz = SB ? 128 : TWO ? 192 : 160;
+  constexpr int64_t stride = SB ? bsz + kSbHeader / kSuperBlocks : bsz;  // on average
   const __m256i low = _mm256_set1_epi8(0x0F);
 #ifndef CONVOY_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
-  for (int64_t b = 0; b < nb; ++b) {
+  // SB: the superblock's d and dmin kept in registers where the tile leaves them free
+  constexpr bool hoist = SB && MR * P <= kHoistTile;
+  __m256 dsb[P], msb[P];
+  Cursor<P, SB, bsz> cur(panels);
+  for (int64_t b = 0; b < nb; cur.next(b++)) {
     __m256i isum[P][2][MR];
-    for (int p = 0; p < P; ++p) prefetch_ahead<bsz>(wg[p] + b * bsz);
+    const uint8_t* const* at = cur.at;
+    const uint8_t* const* header = cur.header;
+    for (int p = 0; p < P; ++p) prefetch_ahead<stride>(at[p]);
+    if constexpr (hoist)
+      if (b % kSuperBlocks == 0)
+        for (int p = 0; p < P; ++p) {
+          dsb[p] = sb_d(header[p], 0);
+          msb[p] = sb_d(header[p], 1);
+        }
     for (int p = 0; p < P; ++p)
       for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       __m256i lo[P], hi[P];
       for (int p = 0; p < P; ++p) {
-        const __m256i raw =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[p] + b * bsz + 32 * j));
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[p] + 32 * j));
         lo[p] = _mm256_and_si256(raw, low);
         hi[p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
       }
@@ -660,7 +822,7 @@ void panel_q4(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
       }
     }
     for (int p = 0; p < P; ++p) {
-      const uint8_t* blk = wg[p] + b * bsz;
+      const uint8_t* blk = at[p];
       const auto half8 = [&](int64_t off) {
         return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
       };
@@ -681,8 +843,20 @@ void panel_q4(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
         }
         continue;
       }
-      const __m256 d = half8(128);
-      const __m256 m = half8(144);
+      __m256 d, m;  // SB: m = dmin * mn, subtracted (the offset is -m, exact)
+      if constexpr (SB) {
+        if (fs != nullptr) {  // precomputed: the same values
+          d = _mm256_loadu_ps(fs[p] + 16 * b);
+          m = _mm256_loadu_ps(fs[p] + 16 * b + 8);
+        } else {
+          const int64_t s = 8 * (b % kSuperBlocks);
+          d = sb_scale(hoist ? dsb[p] : sb_d(header[p], 0), header[p] + kSbScales + s, false);
+          m = sb_scale(hoist ? msb[p] : sb_d(header[p], 1), header[p] + kSbSecond + s, false);
+        }
+      } else {
+        d = half8(128);
+        m = half8(144);
+      }
       for (int i = 0; i < MR; ++i) {
 #ifdef CONVOY_VNNI
         const __m256i dot = _mm256_add_epi32(isum[p][0][i], isum[p][1][i]);
@@ -691,7 +865,11 @@ void panel_q4(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
 #endif
         acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[i][b].d)),
                                     _mm256_cvtepi32_ps(dot), acc[p][i]);
-        acc[p][i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[p][i]);
+        if constexpr (SB) {
+          acc[p][i] = _mm256_fnmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[p][i]);
+        } else {
+          acc[p][i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[p][i]);
+        }
       }
     }
   }
@@ -792,11 +970,13 @@ inline __m256i move_bits(__m256i v, int from, int to) {
 // then kQ4's dots (kQ5) or kQ8's (kQ6, kQ3: two scales, the offset taken back off in integers).
 // AVX2 keeps int16 pair sums while they fit (4 loads x 2 * 31 * 127 for kQ5) and widens every load
 // for kQ6 (2 * 63 * 127 a pair).
-template <int MR, int P, int64_t KIND>
-void panel_bits(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
-                __m256 (*acc)[MR]) {
-  constexpr int64_t bsz = KIND == kQ5 ? 192 : KIND == kQ6 ? 224 : 128;
-  constexpr int64_t soff = bsz - 32;
+template <int MR, int P, int64_t KIND, bool SB = false>
+void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x,
+                __m256 (*acc)[MR], const float* const* fs = nullptr) {
+  static_assert(!(SB && KIND == kQ3), "kQ3 has no superblock-scaled form");
+  constexpr int64_t bsz = (KIND == kQ5 ? 192 : KIND == kQ6 ? 224 : 128) - (SB ? 32 : 0);
+  constexpr int64_t soff = bsz - 32;  // the fp16 scales (not SB)
+  constexpr int64_t stride = SB ? bsz + kSbHeader / kSuperBlocks : bsz;  // on average
   constexpr int offset = KIND == kQ6 ? 32 : KIND == kQ3 ? 4 : 0;
   constexpr bool wide = KIND == kQ6;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -808,12 +988,24 @@ void panel_bits(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
   const auto load = [](const uint8_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   };
-  for (int64_t b = 0; b < nb; ++b) {
+  // SB: the superblock's d (and dmin) kept in registers where the tile leaves them free
+  constexpr bool hoist = SB && MR * P <= kHoistTile;
+  __m256 dsb[P], msb[P];
+  Cursor<P, SB, bsz> cur(panels);
+  for (int64_t b = 0; b < nb; cur.next(b++)) {
     __m256i isum[P][2][MR];
     __m256i plane[P][2];
+    const uint8_t* const* at = cur.at;
+    const uint8_t* const* header = cur.header;
+    if constexpr (hoist)
+      if (b % kSuperBlocks == 0)
+        for (int p = 0; p < P; ++p) {
+          dsb[p] = sb_d(header[p], 0);
+          msb[p] = KIND == kQ6 ? dsb[p] : sb_d(header[p], 1);
+        }
     for (int p = 0; p < P; ++p) {
-      const uint8_t* blk = wg[p] + b * bsz;
-      prefetch_ahead<bsz>(blk);
+      const uint8_t* blk = at[p];
+      prefetch_ahead<stride>(blk);
       if constexpr (KIND == kQ5) {
         plane[p][0] = plane[p][1] = load(blk + kNibbleBytes);
       } else if constexpr (KIND == kQ6) {
@@ -828,7 +1020,7 @@ void panel_bits(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
     for (int j = 0; j < 4; ++j) {
       __m256i w[P][2];
       for (int p = 0; p < P; ++p) {
-        const uint8_t* blk = wg[p] + b * bsz;
+        const uint8_t* blk = at[p];
         if constexpr (KIND == kQ3) {
           const __m256i one = load(blk + kPlane2Bytes);
           for (int h = 0; h < 2; ++h)
@@ -862,10 +1054,29 @@ void panel_bits(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
       }
     }
     for (int p = 0; p < P; ++p) {
-      const uint8_t* blk = wg[p] + b * bsz;
+      const uint8_t* blk = at[p];
       const auto half8 = [&](int64_t off) {
         return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
       };
+      // the block's two scales (kQ6, kQ3: halves 0 and 1; kQ5: scale and offset; SB kQ5: the
+      // offset's magnitude, subtracted)
+      __m256 sc[2];
+      if constexpr (SB) {
+        if (fs != nullptr) {  // precomputed: the same values
+          sc[0] = _mm256_loadu_ps(fs[p] + 16 * b);
+          sc[1] = _mm256_loadu_ps(fs[p] + 16 * b + 8);
+        } else {
+          const int64_t s = 8 * (b % kSuperBlocks);
+          const __m256 d = hoist ? dsb[p] : sb_d(header[p], 0);  // the superblock's d (and dmin)
+          sc[0] = sb_scale(d, header[p] + kSbScales + s, KIND == kQ6);
+          sc[1] = sb_scale(KIND == kQ6 ? d : hoist ? msb[p] : sb_d(header[p], 1),
+                           header[p] + kSbSecond + s,
+                           KIND == kQ6);
+        }
+      } else {
+        sc[0] = half8(soff);
+        sc[1] = half8(soff + 16);
+      }
       for (int i = 0; i < MR; ++i) {
         __m256i dot[2];
         for (int h = 0; h < 2; ++h) {
@@ -877,16 +1088,20 @@ void panel_bits(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
         }
         const __m256 dx = _mm256_set1_ps(x[i][b].d);
         if constexpr (KIND == kQ5) {
-          acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(half8(soff), dx),
+          acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(sc[0], dx),
                                       _mm256_cvtepi32_ps(_mm256_add_epi32(dot[0], dot[1])),
                                       acc[p][i]);
-          acc[p][i] = _mm256_fmadd_ps(half8(soff + 16), _mm256_set1_ps(x[i][b].s), acc[p][i]);
+          if constexpr (SB) {
+            acc[p][i] = _mm256_fnmadd_ps(sc[1], _mm256_set1_ps(x[i][b].s), acc[p][i]);
+          } else {
+            acc[p][i] = _mm256_fmadd_ps(sc[1], _mm256_set1_ps(x[i][b].s), acc[p][i]);
+          }
         } else {
           for (int h = 0; h < 2; ++h) {
             const int32_t xsum = h == 0 ? x[i][b].sa : x[i][b].sb;
             const __m256i d = _mm256_sub_epi32(dot[h], _mm256_set1_epi32(offset * xsum));
-            acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(half8(soff + 16 * h), dx),
-                                        _mm256_cvtepi32_ps(d), acc[p][i]);
+            acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(sc[h], dx), _mm256_cvtepi32_ps(d),
+                                        acc[p][i]);
           }
         }
       }
@@ -897,12 +1112,18 @@ void panel_bits(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
 // P panels (8 * P weight rows, `lanes` of them real) x MR activation rows -> out (MR, ldo)
 template <int MR, int P>
 void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
-           float* out, int64_t ldo, int64_t lanes) {
+           float* out, int64_t ldo, int64_t lanes, const float* const* fs) {
   __m256 acc[P][MR];
   for (int p = 0; p < P; ++p)
     for (int i = 0; i < MR; ++i) acc[p][i] = _mm256_setzero_ps();
   if (kind == kQ4) {
     panel_q4<MR, P, false>(wg, nb, x, acc);
+  } else if (kind == kQ4K) {
+    panel_q4<MR, P, false, true>(wg, nb, x, acc, fs);
+  } else if (kind == kQ5K) {
+    panel_bits<MR, P, kQ5, true>(wg, nb, x, acc, fs);
+  } else if (kind == kQ6K) {
+    panel_bits<MR, P, kQ6, true>(wg, nb, x, acc, fs);
   } else if (kind == kQ4D) {
     panel_q4<MR, P, true>(wg, nb, x, acc);
   } else if (kind == kQ5) {
@@ -935,17 +1156,17 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
 #else   // portable: the same integer dots and the same float steps, one lane at a time
 template <int MR, int P>
 void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
-           float* out, int64_t ldo, int64_t lanes) {
+           float* out, int64_t ldo, int64_t lanes, const float* const*) {
   const int64_t bsz = kind_block_bytes(kind);
   for (int i = 0; i < MR; ++i)
     for (int64_t n = 0; n < lanes; ++n) {
       const int r = static_cast<int>(n % R);
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wg[n / R] + b * bsz;
+        const uint8_t* blk = block_at(wg[n / R], kind, b);
         const ActBlock& a = x[i][b];
         float d0, d1, m0, m1;
-        panel_scales(blk, kind, r, d0, d1, m0, m1);
+        panel_scales(wg[n / R], b, kind, r, d0, d1, m0, m1);
         int dot_a = 0, dot_b = 0;
         for (int j = 0; j < 16; ++j) dot_a += panel_quant(blk, kind, r, j) * a.q[j];
         for (int j = 16; j < QK; ++j) dot_b += panel_quant(blk, kind, r, j) * a.q[j];
@@ -955,10 +1176,11 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
           acc = std::fma(d0 * a.d, static_cast<float>(dot_a), acc);
           acc = std::fma(d1 * a.d, static_cast<float>(dot_b), acc);
         }
+        const int64_t base = base_kind(kind);
         if (kind == kQ4D) {
           acc = std::fma(m0, a.s0, acc);
           acc = std::fma(m1, a.s1, acc);
-        } else if (kind == kQ4 || kind == kQ8M || kind == kQ5) {
+        } else if (base == kQ4 || base == kQ8M || base == kQ5) {
           acc = std::fma(m0, a.s, acc);
         }
       }
@@ -980,13 +1202,37 @@ constexpr int64_t kP = 1;  // AVX2 has 16 registers: one panel's accumulators fi
 
 template <int P>
 void run_tile(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* rows,
-              int64_t cnt, float* o, int64_t ldo, int64_t lanes) {
+              int64_t cnt, float* o, int64_t ldo, int64_t lanes,
+              const float* const* fs = nullptr) {
   switch (cnt) {
-    case 4: panel<4, P>(kind, wg, nb, rows, o, ldo, lanes); break;
-    case 3: panel<3, P>(kind, wg, nb, rows, o, ldo, lanes); break;
-    case 2: panel<2, P>(kind, wg, nb, rows, o, ldo, lanes); break;
-    default: panel<1, P>(kind, wg, nb, rows, o, ldo, lanes); break;
+    case 4: panel<4, P>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
+    case 3: panel<3, P>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
+    case 2: panel<2, P>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
+    default: panel<1, P>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
   }
+}
+
+// A superblock-scaled panel's block scales as fp32, 16 a block (d of the 8 rows, then dmin * mn
+// or Q6_K's second scale): what its kernel computes each block, once for many activation rows.
+// The values are exact products, so a tile that reads them gives the bits of one that computes
+// them; without SIMD kernels nothing is precomputed (false).
+bool sb_scales_f32(int64_t kind, const uint8_t* panel, int64_t nb, float* out) {
+#ifdef CONVOY_AVX2
+  const bool sgn = kind == kQ6K;
+  for (int64_t b0 = 0; b0 < nb; b0 += kSuperBlocks) {
+    const uint8_t* h = nullptr;
+    block_at(panel, kind, b0, &h);
+    const __m256 d = sb_d(h, 0), dm = sgn ? d : sb_d(h, 1);
+    for (int64_t s = 0; s < kSuperBlocks; ++s) {
+      _mm256_storeu_ps(out + 16 * (b0 + s), sb_scale(d, h + kSbScales + 8 * s, sgn));
+      _mm256_storeu_ps(out + 16 * (b0 + s) + 8, sb_scale(dm, h + kSbSecond + 8 * s, sgn));
+    }
+  }
+  return true;
+#else
+  (void)kind, (void)panel, (void)nb, (void)out;
+  return false;
+#endif
 }
 
 // x (M, K) fp32 @ panels (N rows) (+ bias) -> out, (M, N) fp32 contiguous
@@ -999,7 +1245,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
   const int64_t M = xc.size(0), K = xc.size(1), G = w.size(0);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
   const int64_t nb = K / QK;
-  TORCH_CHECK(w.size(1) == nb * kind_block_bytes(kind), "panel size does not match K");
+  TORCH_CHECK(w.size(1) == panel_bytes(kind, nb), "panel size does not match K");
   TORCH_CHECK(N > (G - 1) * R && N <= G * R, "N does not match the panels");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.is_contiguous() &&
                   out.scalar_type() == at::kFloat,
@@ -1023,21 +1269,31 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
     const bool many = m1 - m0 >= kPairMinRows;
     const int64_t step = many ? kP : 1;
     // panels g0..g1 of rows m0..m1 -> dst (ld floats a row), whose first column is column col0
+    // Many rows of a superblock-scaled kind: each panel's block scales computed once for all
+    // the row tiles (each would compute them again; below kPairMinRows rows a separate pass
+    // over the scales cost more than it saved)
+    const bool precompute = many && sb_kind(kind);
     const auto panels = [&](int64_t g0, int64_t g1, float* dst, int64_t ld, int64_t col0) {
       const ActBlock* rows[kMR];
       const uint8_t* wg[kP];
+      std::vector<float> scales(precompute ? static_cast<size_t>(kP * 16 * nb) : 0);
+      const float* fs[kP] = {};
       for (int64_t g = g0; g < g1; g += step) {
         const int64_t np = std::min(step, g1 - g);
         const int64_t lanes = std::min<int64_t>(R * np, N - g * R);
-        for (int64_t p = 0; p < np; ++p) wg[p] = wp + (g + p) * gstride;
+        for (int64_t p = 0; p < np; ++p) {
+          wg[p] = wp + (g + p) * gstride;
+          if (precompute && sb_scales_f32(kind, wg[p], nb, scales.data() + p * 16 * nb))
+            fs[p] = scales.data() + p * 16 * nb;
+        }
         for (int64_t mi = m0; mi < m1; mi += kMR) {
           const int64_t cnt = std::min(kMR, m1 - mi);
           for (int64_t i = 0; i < cnt; ++i) rows[i] = xq.data() + (mi + i) * nb;
           float* o = dst + (mi - m0) * ld + g * R - col0;
           if (np == kP) {
-            run_tile<kP>(kind, wg, nb, rows, cnt, o, ld, lanes);
+            run_tile<kP>(kind, wg, nb, rows, cnt, o, ld, lanes, fs[0] ? fs : nullptr);
           } else {
-            run_tile<1>(kind, wg, nb, rows, cnt, o, ld, lanes);
+            run_tile<1>(kind, wg, nb, rows, cnt, o, ld, lanes, fs[0] ? fs : nullptr);
           }
         }
       }
@@ -1265,11 +1521,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   TORCH_CHECK(gate_up.size(0) % Gu == 0 && gate_up.size(0) > 0,
               "moe_experts: gate_up panels are not a whole number of experts");
   const int64_t E = gate_up.size(0) / Gu;
-  TORCH_CHECK(gate_up.size(1) == nbh * kind_block_bytes(gate_up_kind),
+  TORCH_CHECK(gate_up.size(1) == panel_bytes(gate_up_kind, nbh),
               "moe_experts: gate_up panel size does not match hidden");
   TORCH_CHECK(down.size(0) == E * Gd, "moe_experts: down holds ", down.size(0), " panels, not ",
               E, " experts x ", Gd);
-  TORCH_CHECK(down.size(1) == nbi * kind_block_bytes(down_kind),
+  TORCH_CHECK(down.size(1) == panel_bytes(down_kind, nbi),
               "moe_experts: down panel size does not match intermediate");
   const at::Tensor xc = x.contiguous(), ic = ids.contiguous(), wc = weights.contiguous();
   const at::Tensor gw = gate_up.contiguous(), dw = down.contiguous();
