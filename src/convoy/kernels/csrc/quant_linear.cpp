@@ -167,11 +167,11 @@ int64_t panel_bytes(int64_t kind, int64_t nb) {
 }
 
 // Block b's quants in a panel; `header`: its superblock's header (SB kinds)
-inline const uint8_t* block_at(const uint8_t* panel, int64_t kind, int64_t b,
-                               const uint8_t** header = nullptr) {
+template <typename Byte>  // uint8_t (packing) or const uint8_t
+inline Byte* block_at(Byte* panel, int64_t kind, int64_t b, Byte** header = nullptr) {
   const int64_t bsz = kind_block_bytes(kind);
   if (!sb_kind(kind)) return panel + b * bsz;
-  const uint8_t* h = panel + b / kSuperBlocks * (kSbHeader + kSuperBlocks * bsz);
+  Byte* h = panel + b / kSuperBlocks * (kSbHeader + kSuperBlocks * bsz);
   if (header != nullptr) *header = h;
   return h + kSbHeader + b % kSuperBlocks * bsz;
 }
@@ -504,8 +504,8 @@ at::Tensor quant_pack(const at::Tensor& blocks, int64_t qtype, int64_t kind, int
             if (kind == kI4) std::fill(rows[r].q, rows[r].q + QK, kIQ4Values[0]);
           }
         }
-        const uint8_t* header = nullptr;
-        uint8_t* blk = const_cast<uint8_t*>(block_at(op + g * pstride, kind, b, &header));
+        uint8_t* h = nullptr;
+        uint8_t* blk = block_at(op + g * pstride, kind, b, &h);
         if (!sb_kind(kind)) {
           pack_block(rows, kind, blk);
           continue;
@@ -513,7 +513,6 @@ at::Tensor quant_pack(const at::Tensor& blocks, int64_t qtype, int64_t kind, int
         alignas(32) uint8_t base[304];
         pack_block(rows, base_kind(kind), base);
         std::memcpy(blk, base, static_cast<size_t>(bsz));
-        uint8_t* h = const_cast<uint8_t*>(header);
         const int64_t s = b % kSuperBlocks;
         if (s == 0) std::memset(h, 0, kSbHeader);
         for (int r = 0; r < R; ++r) {
