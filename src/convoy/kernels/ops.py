@@ -57,6 +57,19 @@ def pack_bf16_weight(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.convoy.pack_bf16_weight(w)
 
 
+def pack_fp32_weight(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) fp32 weight -> 16-wide K-major panels for `fp32_linear` (csrc/fp32_linear.cpp)."""
+    return torch.ops.convoy.pack_fp32_weight(w)
+
+
+def fp32_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x (M, K) fp32 @ a `pack_fp32_weight` weight (+ bias) -> (M, out_features); each output
+    one FMA chain over k in order, whatever M (batch invariant)."""
+    return torch.ops.convoy.fp32_linear(x, packed, bias, out_features)
+
+
 def bf16_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:

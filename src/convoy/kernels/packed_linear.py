@@ -47,8 +47,11 @@ def padded_rows(num_rows: int) -> int:
 
 
 def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Which packed linear this device/dtype gets: "onednn" (fp32), "bf16-kernel" (bf16 without
-    native bf16), "bf16-padded" (native bf16: oneDNN through `F.linear`) or None."""
+    """Which packed linear this device/dtype gets: "fp32-kernel" (fp32, Convoy's kernel), "onednn"
+    (fp32 where the kernels cannot be built), "bf16-kernel" (bf16 without native bf16),
+    "bf16-padded" (native bf16: oneDNN through `F.linear`) or None."""
+    if device.type == "cpu" and dtype == torch.float32 and kernels.available():
+        return "fp32-kernel"
     if onednn_linear_available(device, dtype):
         return "onednn"
     if device.type == "cpu" and dtype == torch.bfloat16:
@@ -83,6 +86,23 @@ class PackedLinear(_PrepackedLinear):
         if rows == num_rows:
             return onednn_linear(x, self.packed, self.bias)
         return onednn_linear(_padded_input(x, rows), self.packed, self.bias)[:num_rows]
+
+
+class Fp32KernelLinear(_PrepackedLinear):
+    """fp32 on the CPU: 16-wide weight panels for kernels/csrc/fp32_linear.cpp. No per-shape
+    state, where oneDNN's two primitive caches grew the fp32 server in steps for as long as new
+    row counts came (#29), and batch invariant; 1.2-2x oneDNN's speed at <= 66 rows, 0.93-1.05x
+    at 258-702 (SmolLM2's shapes, AVX2 and AVX-512)."""
+
+    kind = "fp32-kernel"
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        if not kernels.available():
+            raise RuntimeError("the fp32 linear kernel could not be built (see the log)")
+        return kernels.pack_fp32_weight(weight.float())
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.fp32_linear(x, self.packed, self.bias, self.out_features)
 
 
 class PaddedBf16Linear(_PrepackedLinear):
@@ -125,14 +145,14 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 _BY_KIND: dict[str, type[_PrepackedLinear]] = {
-    c.kind: c for c in (PackedLinear, Bf16PackedLinear, PaddedBf16Linear)
+    c.kind: c for c in (PackedLinear, Fp32KernelLinear, Bf16PackedLinear, PaddedBf16Linear)
 }
 
 
 def pack_linears(model: nn.Module, kind: str = "onednn") -> int:
     """Replace every `nn.Linear` in `model` by a packed one; returns how many were replaced.
 
-    kind: "onednn" (`PackedLinear`, fp32), "bf16-kernel" (`Bf16PackedLinear`) or "bf16-padded"
+    kind: "fp32-kernel" (`Fp32KernelLinear`), "onednn" (`PackedLinear`, fp32), "bf16-kernel" (`Bf16PackedLinear`) or "bf16-padded"
     (`PaddedBf16Linear`).
 
     A tied lm_head gets its own packed copy; the embedding keeps the plain weight it indexes.

@@ -11,7 +11,7 @@ from convoy import kernels
 from convoy.config import ConfigError, EngineConfig
 from convoy.kernels.linear import QuantLinear, gather_in_huge_pages, quantize_linears
 from convoy.kernels.ops import QUANT_TYPES
-from convoy.kernels.packed_linear import linear_packing, pack_linears
+from convoy.kernels.packed_linear import linear_packing, onednn_linear_available, pack_linears
 from convoy.models.layers import CausalLM
 from convoy.models.loader import load_model
 from convoy.models.moe import quantize_experts
@@ -119,6 +119,10 @@ class Worker:
         self.quantized_linears = sum(isinstance(m, QuantLinear) for m in self.model.modules())
         self.packed_linears = 0
         packing = linear_packing(self.device, self.dtype) if config.prepack_linears else None
+        if packing == "fp32-kernel" and self.quantized_linears and onednn_linear_available(
+            self.device, self.dtype
+        ):  # a quantized model's few fp32 linears (head, routers) stay on oneDNN as before
+            packing = "onednn"
         if packing is not None:
             self.packed_linears = pack_linears(self.model, packing)
         self.num_blocks = self.memory.kv_blocks
