@@ -265,7 +265,8 @@ class EngineConfig(_Config):
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     prepack_linears: bool = setting(
         True,
-        "CPU: prepack linear weights once (fp32: oneDNN; bf16: Convoy's kernels without native bf16)",
+        "CPU: prepack linear weights once (fp32: Convoy's kernel; bf16: Convoy's kernel without "
+        "native bf16, oneDNN with it)",
     )
     cpu_kernels: bool = setting(
         True,

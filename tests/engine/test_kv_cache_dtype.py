@@ -69,10 +69,11 @@ def _assert_close(want: list, got: list) -> None:
 def test_batch_invariant(bf16_kv: LLM) -> None:
     """The 16 prompts together, in halves and in another order: the same tokens.
 
-    NOTE: not against each prompt alone. A step of one token runs the linears at M=1, and the
-    prepacked fp32 down_proj (K=1536) rounds differently at M=1 than at M>=2 (measured: every row
-    differs in its last bits; F.linear too). An fp32 cache keeps that at ~1e-5 in the logprobs; a
-    16-bit cache can round such a K/V value to the next bf16 (a near tie flipped a token here).
+    NOTE: not against each prompt alone. With oneDNN's fp32 linears (before csrc/fp32_linear.cpp,
+    which is batch invariant) a step of one token ran them at M=1, and the down_proj (K=1536)
+    rounded differently at M=1 than at M>=2 (every row differed in its last bits; F.linear too).
+    An fp32 cache kept that at ~1e-5 in the logprobs; a 16-bit cache can round such a K/V value
+    to the next bf16 (a near tie flipped a token here).
     """
     assert bf16_kv.core.worker.native_decode or not kernels.available()
     prompts = prompts16()

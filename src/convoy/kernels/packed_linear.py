@@ -1,6 +1,7 @@
-"""The packed fp32 linear for the CPU (oneDNN), its row padding (also native bf16's), and which
-packed linear a device/dtype gets (`linear_packing`, `pack_linears`; the bf16 kernel's is
-linear.py's Bf16PackedLinear).
+"""The packed fp32 linears for the CPU (Convoy's kernel, `Fp32KernelLinear`, and oneDNN's,
+`PackedLinear`, kept for a quantized model's few fp32 linears and hosts without the kernels), the
+oneDNN row padding (also native bf16's), and which packed linear a device/dtype gets
+(`linear_packing`, `pack_linears`; the bf16 kernel's is linear.py's Bf16PackedLinear).
 
 `F.linear` in fp32 goes to MKL sgemm with the weight in its plain (out, in) layout and repacks it
 on every call. oneDNN can take the weight reordered once into its blocked layout; on this AVX2 host
