@@ -1,11 +1,12 @@
-"""Prepacked linears for the CPU: bf16 through our kernel on AVX2 hosts, a GGUF's 16-bit and
-block-quantized weights through ours (Gguf16Linear, QuantLinear); fp32 goes through oneDNN
-(packed_linear.py).
+"""Prepacked linears for the CPU: bf16 through our kernel, a GGUF's 16-bit and block-quantized
+weights through ours (Gguf16Linear, QuantLinear); fp32's are in packed_linear.py.
 
-bf16 on CPUs without AVX512-BF16: torch emulates bf16 matmuls (~16 GFLOP/s on two cores at
-64x576x3072). `Bf16PackedLinear` runs kernels/csrc/bf16_linear.cpp instead: bf16 weights
-repacked into 16-wide K-major panels, widened in registers, fp32 FMAs, output rounded to bf16;
-measured 5-8x faster than torch's bf16 and on par with oneDNN fp32 (106-136 GFLOP/s at M=16..64).
+bf16 on the CPU: without AVX512-BF16 torch emulates bf16 matmuls (~16 GFLOP/s on two cores at
+64x576x3072); with it oneDNN is fast but caches a primitive per input shape (#29's memory
+growth). `Bf16PackedLinear` runs kernels/csrc/bf16_linear.cpp instead on every CPU: bf16 weights
+repacked into 16-wide panels of k pairs, vdpbf16ps where the CPU has it and fp32 FMAs in its order
+elsewhere (the same bits), output rounded to bf16; on AVX2 measured 5-8x faster than torch's bf16
+and on par with oneDNN fp32 (106-136 GFLOP/s at M=16..64).
 """
 
 from __future__ import annotations
@@ -74,17 +75,18 @@ class _PrepackedLinear(nn.Module):
 
 
 class Bf16PackedLinear(_PrepackedLinear):
-    """bf16 on a CPU without native bf16: 16-wide weight panels for kernels/csrc/bf16_linear.cpp."""
+    """bf16 on the CPU: 16-wide panels of k pairs for kernels/csrc/bf16_linear.cpp's
+    `bf16_pairs_linear` (vdpbf16ps with AVX512-BF16, FMAs in its order elsewhere: the same bits)."""
 
     kind = "bf16-kernel"
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         if not kernels.available():
             raise RuntimeError("the bf16 linear kernel could not be built (see the log)")
-        return kernels.pack_bf16_weight(weight.to(torch.bfloat16))
+        return kernels.pack_bf16_pairs(weight.to(torch.bfloat16))
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.bf16_linear(x, self.packed, self.bias, self.out_features)
+        return kernels.bf16_pairs_linear(x, self.packed, self.bias, self.out_features)
 
 
 class Gguf16Linear(_PrepackedLinear):

@@ -49,17 +49,18 @@ def padded_rows(num_rows: int) -> int:
 
 def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
     """Which packed linear this device/dtype gets: "fp32-kernel" (fp32, Convoy's kernel), "onednn"
-    (fp32 where the kernels cannot be built), "bf16-kernel" (bf16 without native bf16),
-    "bf16-padded" (native bf16: oneDNN through `F.linear`) or None."""
+    (fp32 where the kernels cannot be built), "bf16-kernel" (bf16, Convoy's k-pair kernel: vdpbf16ps
+    where the CPU has AVX512-BF16, the same bits by FMAs elsewhere), "bf16-padded" (bf16 where the
+    kernels cannot be built but the CPU has native bf16: oneDNN through `F.linear`) or None."""
     if device.type == "cpu" and dtype == torch.float32 and kernels.available():
         return "fp32-kernel"
     if onednn_linear_available(device, dtype):
         return "onednn"
     if device.type == "cpu" and dtype == torch.bfloat16:
-        if torch.cpu._is_avx512_bf16_supported():
-            return "bf16-padded"
         if kernels.available():
             return "bf16-kernel"
+        if torch.cpu._is_avx512_bf16_supported():
+            return "bf16-padded"
     return None
 
 
