@@ -78,6 +78,21 @@ def bf16_linear(
     return torch.ops.convoy.bf16_linear(x, packed, bias, out_features)
 
 
+def pack_bf16_pairs(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) bf16 weight -> 16-wide panels of k pairs for `bf16_pairs_linear`
+    (csrc/panel_gemm.h's BF16_PAIRS layout, vdpbf16ps's)."""
+    return torch.ops.convoy.pack_bf16_pairs(w)
+
+
+def bf16_pairs_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x (M, K) bf16 (fp32 rounded to bf16) @ a `pack_bf16_pairs` weight (+ bias) ->
+    (M, out_features) in x's dtype. vdpbf16ps where the CPU has AVX512-BF16, FMAs in its order
+    elsewhere: the same bits on every path, batch invariant."""
+    return torch.ops.convoy.bf16_pairs_linear(x, packed, bias, out_features)
+
+
 # GGUF block types kept quantized (GGML type id -> the panel kind csrc/quant_linear.cpp packs it
 # into: 0 = 4-bit quants + scale + offset, 1 = int8 quants + two half-block scales, 2 = int8 quants
 # + two scales + offset, 3 = int8 quants + one scale, 4 = 4-bit indices into the IQ4 codebook +
@@ -310,18 +325,3 @@ def decode_moe_layer(
         delta, residual, *weights, positions, cos, sin, k_cache, v_cache, slot_mapping,
         block_tables, lens, block_size, scale, window, softcap,
     )  # fmt: skip
-
-
-def pack_bf16_pairs(w: torch.Tensor) -> torch.Tensor:
-    """(N, K) bf16 weight -> 16-wide panels of k pairs for `bf16_pairs_linear`
-    (csrc/panel_gemm.h's BF16_PAIRS layout, vdpbf16ps's)."""
-    return torch.ops.convoy.pack_bf16_pairs(w)
-
-
-def bf16_pairs_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """x (M, K) bf16 (fp32 rounded to bf16) @ a `pack_bf16_pairs` weight (+ bias) ->
-    (M, out_features) in x's dtype. vdpbf16ps where the CPU has AVX512-BF16, FMAs in its order
-    elsewhere: the same bits on every path, batch invariant."""
-    return torch.ops.convoy.bf16_pairs_linear(x, packed, bias, out_features)

@@ -10,6 +10,9 @@
 // It has no per-shape state, and each row's sum runs in one fixed order whatever the batch and
 // the ISA path: batch invariant, the same bits on AVX2, AVX-512 and the portable loop. Widening
 // is exact, so the result differs from an fp32 matmul of the same weights only by summation order.
+// Two forms: `bf16_linear` (16-wide panels, fp32 activations; a GGUF's F16/BF16 linears) and
+// `bf16_pairs_linear` (panels of k pairs, bf16 activations; the model's bf16 linears), which runs
+// vdpbf16ps where the CPU has AVX512-BF16 and FMAs in its order elsewhere.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
@@ -61,7 +64,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed,
 // (N, K) bf16 -> k pairs, (ceil(N / 16), ceil(K / 2), 32) bf16 (panel_gemm.h's BF16_PAIRS).
 at::Tensor pack_bf16_pairs(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "(N, K) bf16 weight");
-  return convoy::panel::pack_pairs(weight);
+  return (convoy::panel::pack<uint16_t, 2>(weight));
 }
 
 // Whether this build and CPU run vdpbf16ps; CONVOY_CPU_VDPBF16PS=0 says no (the tests' way to

@@ -59,42 +59,23 @@ using x_t = std::conditional_t<T == Weight::BF16_DP, uint16_t, float>;
 template <Weight T>
 constexpr int64_t kStep = (T == Weight::BF16_PAIRS || T == Weight::BF16_DP) ? 2 : 1;
 
-// (N, K) weight -> (ceil(N / 16), K, 16) of the same dtype, zero-padded past N.
-template <typename E>
+// (N, K) weight -> (ceil(N / 16), ceil(K / S), 16 S) of the same dtype, zero-padded past N and K:
+// [p][j][S c + t] = w[16 p + c, S j + t]. S = 1: 16-wide K-major panels; S = 2: k pairs side by
+// side (the BF16_PAIRS / BF16_DP layout).
+template <typename E, int64_t S = 1>
 at::Tensor pack(const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
-  const int64_t P = (N + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({P, K, kPanel}, w.options());
+  const int64_t P = (N + kPanel - 1) / kPanel, KS = (K + S - 1) / S;
+  at::Tensor packed = at::zeros({P, KS, S * kPanel}, w.options());
   const E* src = reinterpret_cast<const E*>(w.data_ptr());
   E* dst = reinterpret_cast<E*>(packed.data_ptr());
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
-        const E* row = src + (p * kPanel + j) * K;
-        E* col = dst + p * K * kPanel + j;
-        for (int64_t k = 0; k < K; ++k) col[k * kPanel] = row[k];
-      }
-    }
-  });
-  return packed;
-}
-
-// (N, K) bf16 -> (ceil(N / 16), ceil(K / 2), 32): [p][j][2c + t] = w[16p + c, 2j + t], zero-padded
-// past N and K (the BF16_PAIRS / BF16_DP layout).
-inline at::Tensor pack_pairs(const at::Tensor& weight) {
-  const at::Tensor w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1);
-  const int64_t P = (N + kPanel - 1) / kPanel, K2 = (K + 1) / 2;
-  at::Tensor packed = at::zeros({P, K2, 2 * kPanel}, w.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
       for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
-        const uint16_t* row = src + (p * kPanel + c) * K;
-        uint16_t* col = dst + p * K2 * 2 * kPanel + 2 * c;
-        for (int64_t k = 0; k < K; ++k) col[(k / 2) * 2 * kPanel + (k % 2)] = row[k];
+        const E* row = src + (p * kPanel + c) * K;
+        E* col = dst + p * KS * S * kPanel + S * c;
+        for (int64_t k = 0; k < K; ++k) col[(k / S) * S * kPanel + k % S] = row[k];
       }
     }
   });
