@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from convoy.kernels import builder
-from convoy.kernels.linear import QuantLinear, panel_kind
+from convoy.kernels.linear import QuantLinear, panel_kind, two_part_kind
 from convoy.kernels.ops import (
     QUANT_BLOCKS,
     QUANT_KIND_I4,
@@ -196,6 +196,46 @@ def test_mixed_types_join_into_one_panel_kind() -> None:
         _assert_dequantized(rows, w.numpy(), exact=False)
         x = torch.randn(70, 256, generator=torch.Generator().manual_seed(1))
         _check(layer, x, rows)
+
+
+@pytest.mark.parametrize(("panels_qk", "rows_v"), [(3, 13), (40, 59)])
+def test_a_q4_k_m_qkv_keeps_each_part_in_its_own_kind(panels_qk: int, rows_v: int) -> None:
+    """Q4_K q and k beside a Q6_K v (half the layers of a Q4_K_M file): no narrow kind holds both,
+    so the joined linear is two parts, each in its own superblock kind (not kQ8M's 9.5 bits a
+    weight), their panels back to back. Its columns are the bits of each part's
+    own linear at every row count (the memory-bound path splits the panels by bytes, the
+    compute-bound one hands out chunks across the cut), and so batch invariant."""
+    k = 512
+    rows_q = 8 * panels_qk - 8
+    q, k_, v = (_blocks(n, k, t, seed=30 + n)[0]
+                for n, t in ((rows_q, T.Q4_K), (8, T.Q4_K), (rows_v, T.Q6_K)))  # fmt: skip
+    parts = [(int(T.Q4_K), q), (int(T.Q4_K), k_), (int(T.Q6_K), v)]
+    layer = QuantLinear.from_parts(parts, k, None)
+    qk = QuantLinear.from_parts(parts[:2], k, None)
+    alone_v = QuantLinear(v, int(T.Q6_K), k, None)
+    assert layer.panel_kind == two_part_kind(QUANT_KIND_Q4K, QUANT_KIND_Q6K, panels_qk)
+    assert (qk.panel_kind, alone_v.panel_kind) == (QUANT_KIND_Q4K, QUANT_KIND_Q6K)
+    assert qk.packed.shape[1] < alone_v.packed.shape[1]  # Q4_K's panels narrower than Q6_K's
+    assert torch.equal(layer.packed, torch.cat([qk.packed.flatten(), alone_v.packed.flatten()]))
+    n_qk = 8 * panels_qk
+    ids = torch.arange(n_qk + rows_v)
+    assert torch.equal(
+        layer.dequantize_rows(ids),
+        torch.cat([qk.dequantize_rows(ids[:n_qk]), alone_v.dequantize_rows(ids[:rows_v])]),
+    )
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(3))
+    full = layer(x)
+    assert torch.equal(full[:, :n_qk], qk(x)) and torch.equal(full[:, n_qk:], alone_v(x))
+    for m in (*range(1, 18), 31, 32, 33, 64, 65, 299):
+        assert torch.equal(layer(x[:m]), full[:m]), m
+        assert torch.equal(layer(x[m - 1 : m]), full[m - 1 : m]), m
+    for threads in (1, 3):  # another split of the panels between threads: the same bits
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            assert torch.equal(layer(x[:1]), full[:1]) and torch.equal(layer(x[:40]), full[:40])
+        finally:
+            torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

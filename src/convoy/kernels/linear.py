@@ -124,7 +124,9 @@ class QuantLinear(_PrepackedLinear):
     activations; input cast to fp32 and the output back to the input's dtype.
 
     `from_parts` joins several GGUF tensors as consecutive row ranges (a fused qkv or gate_up
-    projection), also of different types: they are packed into the one panel kind that holds all.
+    projection), also of different types: they are packed into the one panel kind that holds all,
+    or where only an 8-bit kind would (Q4_K_M's Q4_K q and k beside its Q6_K v), into a two-part
+    layout that keeps each run of parts in its own narrow kind (`panel_layout`).
     """
 
     def __init__(
@@ -159,11 +161,18 @@ class QuantLinear(_PrepackedLinear):
                 raise ValueError(f"a joined part needs a multiple of {PANEL_ROWS} rows")
         self.in_features = in_features
         self.out_features = sum(int(b.shape[0]) for _, b in parts)
-        self.panel_kind = panel_kind([q for q, _ in parts])
         self.qtypes = tuple(q for q, _ in parts)
-        self.kind = f"ggml types {'+'.join(map(str, self.qtypes))}, panels {self.panel_kind}"
-        packed = [quant_pack(b, q, self.panel_kind, in_features) for q, b in parts]
-        self.packed = packed[0] if len(packed) == 1 else torch.cat(packed)
+        self.panel_kind, part_kinds = panel_layout(parts)
+        names = "|".join(dict.fromkeys(map(str, part_kinds)))
+        self.kind = f"ggml types {'+'.join(map(str, self.qtypes))}, panels {names}"
+        packed = [
+            quant_pack(b, q, kind, in_features)
+            for (q, b), kind in zip(parts, part_kinds, strict=True)
+        ]
+        if self.panel_kind & TWO_PART:  # each part's panels back to back, one run of bytes
+            self.packed = torch.cat([p.reshape(-1) for p in packed])
+        else:
+            self.packed = packed[0] if len(packed) == 1 else torch.cat(packed)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,9 +198,9 @@ class QuantLinear(_PrepackedLinear):
         return quant_dequant_rows(self.packed, self.panel_kind, self.in_features, ids)
 
 
-def panel_kind(qtypes: Sequence[int]) -> int:
-    """The panel kind that holds weights of all these GGUF types exactly; ValueError where none
-    does (Q2_K's two offsets a block beside a type of int8 quants)."""
+def _narrow_kind(qtypes: Sequence[int]) -> int | None:
+    """The panel kind narrower than int8 quants (or the types' own 8-bit kind) that holds weights
+    of all these GGUF types exactly, if there is one."""
     kinds = {QUANT_TYPES[q] for q in qtypes}
     if len(kinds) == 1:
         return kinds.pop()
@@ -207,6 +216,46 @@ def panel_kind(qtypes: Sequence[int]) -> int:
     ):
         if kinds <= holds:
             return narrow
+    return None
+
+
+# A two-part layout's kind argument (csrc/quant_linear.cpp Panels): panels [0, split) of kind a,
+# then panels of kind b, back to back in one 1-D uint8 tensor
+TWO_PART = 1 << 40
+
+
+def two_part_kind(a: int, b: int, split: int) -> int:
+    """The kind argument of a two-part layout: panels [0, split) of kind a, the rest of kind b."""
+    if not (0 <= a < 16 and 0 <= b < 16 and 0 < split < 1 << 32):
+        raise ValueError(f"no two-part layout of kinds {a}, {b} split at panel {split}")
+    return TWO_PART | a | b << 4 | split << 8
+
+
+def panel_layout(parts: Sequence[tuple[int, torch.Tensor]]) -> tuple[int, list[int]]:
+    """The kind argument for a linear joined from `parts` (GGUF type, (rows, bytes) blocks) and
+    the panel kind of each part: the one kind that holds them all where a narrow one does, else
+    a two-part layout of two runs of parts each in its own narrow kind (the weights read are the
+    file's: Q4_K_M's Q4_K q, k and Q6_K v read 4.6 and 6.6 bits a weight, not kQ8M's 9.5), else
+    the 8-bit kind that holds them all (`panel_kind`)."""
+    qtypes = [q for q, _ in parts]
+    kind = _narrow_kind(qtypes)
+    if kind is not None:
+        return kind, [kind] * len(parts)
+    for cut in range(1, len(parts)):
+        a, b = _narrow_kind(qtypes[:cut]), _narrow_kind(qtypes[cut:])
+        rows = sum(int(blocks.shape[0]) for _, blocks in parts[:cut])
+        if a is not None and b is not None and rows % PANEL_ROWS == 0:
+            return two_part_kind(a, b, rows // PANEL_ROWS), [a] * cut + [b] * (len(parts) - cut)
+    kind = panel_kind(qtypes)
+    return kind, [kind] * len(parts)
+
+
+def panel_kind(qtypes: Sequence[int]) -> int:
+    """The panel kind that holds weights of all these GGUF types exactly; ValueError where none
+    does (Q2_K's two offsets a block beside a type of int8 quants)."""
+    kind = _narrow_kind(qtypes)
+    if kind is not None:
+        return kind
     if Q2_K in qtypes:
         raise ValueError(f"no panel kind holds GGUF types {sorted(set(qtypes))} together")
     eight = {QUANT_TYPES_8BIT[q] for q in qtypes}

@@ -19,7 +19,8 @@
 // (kQ4D: each 16-weight half has its own scale and offset; Q3_K's signed q -4..3 is stored as
 // q + 4 with offsets -4 d.) kI4 and kQ8S types in one linear are packed as kQ8S (the codebook's
 // values are int8), Q3_K with 8-bit kinds as kQ8/kQ8M (signed q, no offset); Q2_K's two offsets
-// fit no 8-bit kind.
+// fit no 8-bit kind. Types that only an 8-bit kind holds together but that split into two runs
+// each held by a narrow kind take a two-part layout instead (below: Panels).
 // (kQ5, kQ6, kQ3: the quants in bit planes, so that a panel is as narrow as the file's type: the
 // low 4 bits in kQ4's nibbles (kQ5, kQ6) or the low 2 in a 2-bit plane (kQ3), the rest in a 1-bit
 // (kQ5, kQ3) or 2-bit (kQ6) plane, all laid out lane by lane as the nibbles; kQ6's and kQ3's
@@ -164,6 +165,45 @@ int64_t panel_bytes(int64_t kind, int64_t nb) {
   if (!sb_kind(kind)) return nb * kind_block_bytes(kind);
   TORCH_CHECK(nb % kSuperBlocks == 0, "a superblock-scaled panel needs K a multiple of 256");
   return nb / kSuperBlocks * (kSbHeader + kSuperBlocks * kind_block_bytes(kind));
+}
+
+// A two-part layout: a joined linear whose parts no narrow kind holds together (Q4_K_M's Q4_K q
+// and k beside its Q6_K v: the one 8-bit kind that holds both, kQ8M, reads 9.5 bits a weight)
+// keeps each part's own kind: panels [0, split) of kind a, then panels of kind b, each part's
+// panels back to back in one 1-D run of bytes (padding the narrower part's panels to one stride
+// cost its reads half again: the gaps break the hardware's streams). The kind argument carries it
+// (kernels/linear.py two_part_kind):
+//   kind = kTwoPart | a | b << 4 | split << 8
+constexpr int64_t kTwoPart = int64_t{1} << 40;
+int64_t panel_bytes(int64_t kind, int64_t nb);
+
+// Where each panel of a packed weight starts, and its kind
+struct Panels {
+  const uint8_t* base;
+  int64_t a, b, split, sa, sb, G;  // one kind: a == b, split = G
+  int64_t kind(int64_t g) const { return g < split ? a : b; }
+  const uint8_t* at(int64_t g) const {
+    return g < split ? base + g * sa : base + split * sa + (g - split) * sb;
+  }
+};
+
+// w: contiguous uint8, (G, panel bytes) panels of one kind or a two-part layout's 1-D run
+Panels panels_of(const at::Tensor& w, int64_t kind, int64_t nb) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "packed: uint8 panels");
+  const uint8_t* base = w.data_ptr<uint8_t>();
+  if (!(kind & kTwoPart)) {
+    TORCH_CHECK(w.dim() == 2, "packed: (panels, bytes) uint8");
+    const int64_t s = panel_bytes(kind, nb);
+    TORCH_CHECK(w.size(1) == s, "panel size does not match K");
+    return {base, kind, kind, w.size(0), s, s, w.size(0)};
+  }
+  TORCH_CHECK(kind < 2 * kTwoPart, "unknown panel kind ", kind);
+  const int64_t a = kind & 15, b = (kind >> 4) & 15, split = kind >> 8 & ((int64_t{1} << 32) - 1);
+  const int64_t sa = panel_bytes(a, nb), sb = panel_bytes(b, nb);
+  TORCH_CHECK(w.dim() == 1, "packed: a two-part layout's panels are one 1-D run of bytes");
+  const int64_t rest = w.numel() - split * sa;
+  TORCH_CHECK(split > 0 && rest > 0 && rest % sb == 0, "two-part panels do not match K");
+  return {base, a, b, split, sa, sb, split + rest / sb};
 }
 
 // Block b's quants in a panel; `header`: its superblock's header (SB kinds)
@@ -617,22 +657,21 @@ inline int panel_quant(const uint8_t* blk, int64_t kind, int r, int j) {
 // rows ids of the packed weight, dequantized: (T, K) fp32, w = d * q + m
 at::Tensor quant_dequant_rows(const at::Tensor& packed, int64_t kind, int64_t K,
                               const at::Tensor& ids) {
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "packed: uint8 panels");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: (T,) int64");
-  const int64_t nb = K / QK, bsz = kind_block_bytes(kind);
-  TORCH_CHECK(K % QK == 0 && packed.size(1) == panel_bytes(kind, nb), "packed size does not match K");
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  const int64_t nb = K / QK;
   const at::Tensor pc = packed.contiguous(), ic = ids.contiguous();
-  const int64_t T = ic.size(0), rows = pc.size(0) * R;
+  const Panels P = panels_of(pc, kind, nb);
+  const int64_t T = ic.size(0), rows = P.G * R;
   at::Tensor out = at::empty({T, K}, pc.options().dtype(at::kFloat));
-  const uint8_t* pp = pc.data_ptr<uint8_t>();
   const int64_t* ip = ic.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, "row id out of range");
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = ip[t] / R;
+      const int64_t g = ip[t] / R, kind = P.kind(g);
       const int r = static_cast<int>(ip[t] % R);
-      const uint8_t* panel = pp + g * pc.size(1);
+      const uint8_t* panel = P.at(g);
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = block_at(panel, kind, b);
         float d0, d1, m0, m1;
@@ -1238,13 +1277,13 @@ bool sb_scales_f32(int64_t kind, const uint8_t* panel, int64_t nb, float* out) {
 void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
                        const std::optional<at::Tensor>& bias, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) fp32");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "packed: uint8 panels");
   const at::Tensor xc = x.contiguous();
   const at::Tensor w = packed.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), G = w.size(0);
+  const int64_t M = xc.size(0), K = xc.size(1);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
   const int64_t nb = K / QK;
-  TORCH_CHECK(w.size(1) == panel_bytes(kind, nb), "panel size does not match K");
+  const Panels P = panels_of(w, kind, nb);
+  const int64_t G = P.G;
   TORCH_CHECK(N > (G - 1) * R && N <= G * R, "N does not match the panels");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.is_contiguous() &&
                   out.scalar_type() == at::kFloat,
@@ -1255,8 +1294,6 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, xq.data() + m * nb, nb);
   });
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t gstride = w.size(1);
   float* op = out.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
     const int64_t m1 = std::min(M, m0 + kTileM);
@@ -1267,12 +1304,14 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
     // pays. The results are the same bits either way.
     const bool many = m1 - m0 >= kPairMinRows;
     const int64_t step = many ? kP : 1;
-    // panels g0..g1 of rows m0..m1 -> dst (ld floats a row), whose first column is column col0
-    // Many rows of a superblock-scaled kind: each panel's block scales computed once for all
-    // the row tiles (each would compute them again; below kPairMinRows rows a separate pass
-    // over the scales cost more than it saved)
-    const bool precompute = many && sb_kind(kind);
-    const auto panels = [&](int64_t g0, int64_t g1, float* dst, int64_t ld, int64_t col0) {
+    // panels g0..g1 (all of kind `kind`) of rows m0..m1 -> dst (ld floats a row), whose first
+    // column is column col0
+    const auto run_panels = [&](int64_t kind, int64_t g0, int64_t g1, float* dst, int64_t ld,
+                                int64_t col0) {
+      // Many rows of a superblock-scaled kind: each panel's block scales computed once for all
+      // the row tiles (each would compute them again; below kPairMinRows rows a separate pass
+      // over the scales cost more than it saved)
+      const bool precompute = many && sb_kind(kind);
       const ActBlock* rows[kMR];
       const uint8_t* wg[kP];
       std::vector<float> scales(precompute ? static_cast<size_t>(kP * 16 * nb) : 0);
@@ -1281,7 +1320,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
         const int64_t np = std::min(step, g1 - g);
         const int64_t lanes = std::min<int64_t>(R * np, N - g * R);
         for (int64_t p = 0; p < np; ++p) {
-          wg[p] = wp + (g + p) * gstride;
+          wg[p] = P.at(g + p);
           if (precompute && sb_scales_f32(kind, wg[p], nb, scales.data() + p * 16 * nb))
             fs[p] = scales.data() + p * 16 * nb;
         }
@@ -1297,8 +1336,28 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
         }
       }
     };
-    if (!many) {  // memory-bound: each thread streams one contiguous range of panels
+    // a range of panels, cut where a two-part layout's kind changes
+    const auto panels = [&](int64_t g0, int64_t g1, float* dst, int64_t ld, int64_t col0) {
+      const int64_t cut = std::clamp(P.split, g0, g1);
+      if (g0 < cut) run_panels(P.a, g0, cut, dst, ld, col0);
+      if (cut < g1) run_panels(P.b, cut, g1, dst, ld, col0);
+    };
+    if (!many && P.a == P.b) {  // memory-bound: each thread streams a range of panels
       at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels(g0, g1, op + m0 * N, N, 0); });
+      continue;
+    }
+    if (!many) {  // the same, two-part: ranges of equal bytes (its kinds' panels differ in size)
+      const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+      const int64_t total = P.split * P.sa + (G - P.split) * P.sb;
+      const auto first_panel_at = [&](int64_t bytes) {  // the first panel starting at >= bytes
+        if (bytes <= P.split * P.sa) return (bytes + P.sa - 1) / P.sa;
+        return std::min(G, P.split + (bytes - P.split * P.sa + P.sb - 1) / P.sb);
+      };
+      at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+          panels(first_panel_at(total * t / nt), first_panel_at(total * (t + 1) / nt),
+                 op + m0 * N, N, 0);
+      });
       continue;
     }
     // Compute-bound: threads take chunks of panels from a shared counter, so a thread slowed by
