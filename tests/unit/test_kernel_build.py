@@ -1,7 +1,8 @@
 """The kernel builder on tiny C++ sources (no torch headers: about a second a build).
 
 What it must do: report a compile error as an error, never as "no kernels"; not wait on anything a
-killed build left behind; run the ninja installed with this Python; let two processes build at once.
+killed build left behind; run the ninja installed with this Python; let two processes that want
+the same library at once both get it, built once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def _answer(lib: Path) -> int:
     return int(ctypes.CDLL(str(lib)).convoy_test_answer())
 
 
+def _entries(root: Path) -> list[str]:
+    """What a cache root holds besides its lock files."""
+    return sorted(p.name for p in root.iterdir() if p.name != builder.LOCK_DIR)
+
+
 def _leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith(".build-"))
 
@@ -46,7 +52,7 @@ def test_builds_into_the_cache_root_once_then_reuses_it(tmp_path, monkeypatch) -
     src, root = _source(tmp_path, GOOD), tmp_path / "cache"
     lib = _build_library("tiny", [src], root)
     assert lib.parent == root and lib.suffix == ".so" and _answer(lib) == 42
-    assert [p.name for p in root.iterdir()] == [lib.name]  # the build directory is gone
+    assert _entries(root) == [lib.name]  # the build directory is gone
     other = _build_library("tiny", [src], root, cflags=["-O1"])  # flags are part of the name
     assert other != lib and other.is_file()
 
@@ -62,7 +68,7 @@ def test_compile_error_raises_with_the_compiler_output(tmp_path) -> None:
     root = tmp_path / "cache"
     with pytest.raises(KernelBuildError, match="convoy_undeclared_name"):
         _build_library("broken", [_source(tmp_path, BAD)], root)
-    assert list(root.iterdir()) == []  # no library, no build directory
+    assert _entries(root) == []  # no library, no build directory
 
 
 @needs_compiler
@@ -135,6 +141,8 @@ spec = importlib.util.spec_from_file_location("kernel_builder", sys.argv[4])
 builder = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(builder)
 src, root, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+import logging
+logging.basicConfig(level=logging.INFO)  # stderr: "built tiny in ..." from the one that builds
 (root / f"ready-{me}").touch()
 while not (root / "go").exists():
     time.sleep(0.01)
@@ -143,7 +151,7 @@ print(builder._build_library("tiny", [src], root / "kernels"))
 
 
 @needs_compiler
-def test_two_processes_building_at_once_both_succeed(tmp_path) -> None:
+def test_two_processes_building_at_once_both_succeed_with_one_build(tmp_path) -> None:
     src, root = _source(tmp_path, GOOD), tmp_path / "cache"
     root.mkdir()
     procs = [
@@ -173,7 +181,9 @@ def test_two_processes_building_at_once_both_succeed(tmp_path) -> None:
     assert len(paths) == 1
     lib = Path(paths.pop())
     assert _answer(lib) == 42
-    assert [p.name for p in (root / "kernels").iterdir()] == [lib.name]
+    assert _entries(root / "kernels") == [lib.name]
+    builds = [err.count("built tiny in") for _, err in outs]
+    assert sorted(builds) == [0, 1], outs  # the second waited for the first's library
 
 
 def test_without_a_compiler_one_warning_and_no_build(tmp_path, monkeypatch, caplog) -> None:
@@ -212,3 +222,39 @@ def test_a_changed_header_rebuilds(tmp_path) -> None:
     header.write_text("#define CONVOY_TEST_ANSWER 43\n")
     rebuilt = _build_library("tiny", [src], root)
     assert rebuilt != lib and _answer(rebuilt) == 43
+
+
+_HOLDER = """
+import importlib.util, sys, time
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("kernel_builder", sys.argv[2])
+builder = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(builder)
+with builder._build_lock(Path(sys.argv[1])):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+@needs_compiler
+def test_a_build_killed_while_holding_the_lock_blocks_no_one(tmp_path) -> None:
+    src, root = _source(tmp_path, GOOD), tmp_path / "cache"
+    final = _build_library("tiny", [src], root)  # the library's name, then it is gone
+    final.unlink()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(final), builder.__file__],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        result: list[Path] = []
+        thread = threading.Thread(
+            target=lambda: result.append(_build_library("tiny", [src], root)), daemon=True
+        )
+        thread.start()
+        thread.join(timeout=1)
+        assert thread.is_alive() and not result  # waits while a live build holds the lock
+        holder.kill()  # kill -9: the kernel drops its lock
+        thread.join(timeout=120)
+        assert not thread.is_alive() and result == [final] and _answer(final) == 42
+    finally:
+        holder.kill()
+        holder.wait()

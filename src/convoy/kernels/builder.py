@@ -3,9 +3,10 @@
 Built on first use into `$CONVOY_CACHE_DIR/kernels` (default ~/.cache/convoy/kernels) as one shared
 library named by a hash of its sources, flags, compiler, torch and Python versions and CPU tag; a
 later start only loads that file. Every build compiles in its own temporary directory and renames
-the finished library into place (atomic), so two processes building at once both succeed and a
-build killed midway leaves nothing a later one waits on (torch's own shared build directory keeps a
-lock file that a killed build leaves behind, and every later build waits on it forever).
+the finished library into place (atomic), and a build killed midway leaves nothing a later one
+waits on (torch's own shared build directory keeps a lock file that a killed build leaves behind,
+and every later build waits on it forever). Two processes that want the same library at once
+build it once: the second waits on an flock that dies with its holder, then loads the first's.
 
 The `ninja` that runs is the one installed with this Python (the `ninja` package), not whatever
 PATH offers first. Without a C++ compiler the kernels are unavailable (one warning, torch path);
@@ -39,6 +40,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 DISABLE_ENV = "CONVOY_CPU_KERNELS"  # "0": never build, the torch path everywhere
 _LIB_SUFFIX = ".pyd" if os.name == "nt" else ".so"  # what torch's builder links
 _TMP_PREFIX = ".build-"  # private build directories inside the cache root
+LOCK_DIR = ".locks"  # inside the cache root: one lock file a library (_build_lock)
 _STALE_S = 24 * 3600  # build directories older than this are leftovers of killed builds
 
 # One build at a time in this process: the build runs with PATH/CXX set in os.environ.
@@ -162,6 +164,42 @@ def _build_library(
     if final.is_file():
         return final
     cache_root.mkdir(parents=True, exist_ok=True)
+    with _build_lock(final):
+        if final.is_file():  # another process built it while this one waited
+            return final
+        return _build_into(name, srcs, cflags, ldflags, cxx, cache_root, final)
+
+
+@contextlib.contextmanager
+def _build_lock(final: Path) -> Iterator[None]:
+    """One build of `final` at a time across processes (two test workers or servers starting at
+    once each compiled the same library, minutes of both cores): an flock on a file beside it,
+    which the kernel releases when its holder exits or is killed, so nothing waits on a dead
+    build. Without fcntl (Windows) builds may still race; the rename keeps them both correct."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    locks = final.parent / LOCK_DIR
+    locks.mkdir(exist_ok=True)
+    with open(locks / f"{final.name}.lock", "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _build_into(
+    name: str,
+    srcs: list[Path],
+    cflags: Sequence[str],
+    ldflags: Sequence[str],
+    cxx: str,
+    cache_root: Path,
+    final: Path,
+) -> Path:
     _sweep_stale(cache_root)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}-", dir=cache_root))
     # NOTE: a fresh module name per build: torch remembers the names it built in this process and
