@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from convoy.model_config import ModelConfig
@@ -45,8 +46,27 @@ def allocate_kv_cache(
 ) -> KVCache:
     shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
     return KVCache(
-        k=torch.zeros(shape, dtype=dtype, device=device),
-        v=torch.zeros(shape, dtype=dtype, device=device),
+        k=_zeros(shape, dtype, device),
+        v=_zeros(shape, dtype, device),
         num_blocks=num_blocks,
         block_size=block_size,
     )
+
+
+_ALIGN = 64  # bytes: a cache line, and every vector width the kernels load
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose pages are touched when first written, not at start-up (CPU).
+
+    torch.zeros writes every byte: the default 2 GiB pool took 0.5 s to start on a fresh host and
+    8-15 s a GiB on this VM once the process had touched ~2 GiB (pages the host had never backed;
+    two engines in one test process took 28 s for the second). numpy's zeros come from calloc,
+    i.e. the kernel's zero pages, mapped in as the cache fills: the same zeros, paid for by the
+    blocks used. Aligned to 64 bytes (calloc's large blocks are 16-byte aligned)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(nbytes + _ALIGN, dtype=np.uint8))
+    skip = -raw.data_ptr() % _ALIGN
+    return raw[skip : skip + nbytes].view(dtype).view(shape)
