@@ -1,8 +1,9 @@
 """Build and load the C++ CPU kernels in csrc/ with torch's C++ extension builder (ninja + c++).
 
 Built on first use into `$CONVOY_CACHE_DIR/kernels` (default ~/.cache/convoy/kernels) as one shared
-library named by a hash of its sources, flags, compiler, torch and Python versions and CPU tag; a
-later start only loads that file. Every build compiles in its own temporary directory and renames
+library, its sources compiled as one translation unit (torch's headers parsed once), named by a
+hash of its sources, flags, compiler, torch and Python versions and CPU tag; a later start only
+loads that file. Every build compiles in its own temporary directory and renames
 the finished library into place (atomic), and a build killed midway leaves nothing a later one
 waits on (torch's own shared build directory keeps a lock file that a killed build leaves behind,
 and every later build waits on it forever). Two processes that want the same library at once
@@ -124,6 +125,7 @@ def _digest(
         *cflags,
         "--ldflags",
         *ldflags,
+        "one-unit",  # how the sources are compiled (_compile): inlining may cross files
     ]
     for part in parts:
         h.update(part.encode() + b"\0")
@@ -224,7 +226,15 @@ def _compile(
     cxx: str,
     build_dir: Path,
 ) -> None:
-    """torch's extension builder in `build_dir`, with this Python's ninja first on PATH."""
+    """torch's extension builder in `build_dir`, with this Python's ninja first on PATH.
+
+    The sources compile as one translation unit (a file in `build_dir` that includes each): every
+    file includes torch's headers, and parsing them was half of each file's compile (the kernels:
+    51 s of CPU as seven units, 22 s as one, on the 2-core development host), which a build on
+    a machine's first start or a clean checkout's test run pays three times (native, avx2,
+    generic). Sources must therefore not clash in their file-local names."""
+    unit = build_dir / f"{module}_unit.cpp"
+    unit.write_text("".join(f'#include "{src}"\n' for src in srcs))
     with _lock, _build_env(cxx):
         ninja = shutil.which("ninja")
         logger.info("building %s with %s and %s in %s", name, cxx, ninja, build_dir)
@@ -233,7 +243,7 @@ def _compile(
         try:
             load(
                 name=module,
-                sources=[str(s) for s in srcs],
+                sources=[str(unit)],
                 extra_cflags=list(cflags),
                 extra_ldflags=list(ldflags),
                 build_directory=str(build_dir),
