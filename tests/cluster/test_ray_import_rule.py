@@ -9,23 +9,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("test_file", ["test_ray_batch.py", "test_ray_serve.py"])
-def test_a_broken_ray_fails_collection_instead_of_skipping(tmp_path: Path, test_file: str) -> None:
+FILES = ["test_ray_batch.py", "test_ray_serve.py"]
+
+
+def test_a_broken_ray_fails_collection_instead_of_skipping(tmp_path: Path) -> None:
+    """Both Ray test files in one collection run (one pytest start): each is an error."""
     broken = tmp_path / "ray"
     broken.mkdir()
     # what a Ray wheel whose own dependency is missing raises at import
-    (broken / "__init__.py").write_text('import convoy_missing_ray_dependency  # noqa\n')
+    (broken / "__init__.py").write_text("import convoy_missing_ray_dependency  # noqa\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src")])}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-         f"tests/cluster/{test_file}"],
+         *(f"tests/cluster/{f}" for f in FILES)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode != 0, run.stdout
-    assert "convoy_missing_ray_dependency" in run.stdout
+    assert run.stdout.count("convoy_missing_ray_dependency") >= len(FILES), run.stdout
+    for f in FILES:
+        assert f"ERROR tests/cluster/{f}" in run.stdout, run.stdout
     assert "skipped" not in run.stdout.splitlines()[-1]
