@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,20 +55,24 @@ def allocate_kv_cache(
     )
 
 
-_ALIGN = 64  # bytes: a cache line, and every vector width the kernels load
-
-
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor whose pages are touched when first written, not at start-up (CPU).
 
     torch.zeros writes every byte: the default 2 GiB pool took 0.5 s to start on a fresh host and
-    8-15 s a GiB on this VM once the process had touched ~2 GiB (pages the host had never backed;
-    two engines in one test process took 28 s for the second). numpy's zeros come from calloc,
-    i.e. the kernel's zero pages, mapped in as the cache fills: the same zeros, paid for by the
-    blocks used. Aligned to 64 bytes (calloc's large blocks are 16-byte aligned)."""
+    8-15 s a GiB on a VM once the process had touched ~2 GiB (pages the host had never backed;
+    two engines in one test process took 28 s for the second). A private anonymous mapping is the
+    kernel's zero pages, mapped in as the cache fills: the same zeros, paid for by the blocks
+    used, page-aligned. (Not calloc: in a process whose heap holds a large free region, calloc
+    reuses it and writes the zeros itself, which a test process with a 4 GB history showed.)
+    Transparent huge pages are asked for, as numpy does for its large arrays."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(nbytes + _ALIGN, dtype=np.uint8))
-    skip = -raw.data_ptr() % _ALIGN
-    return raw[skip : skip + nbytes].view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            region.madvise(mmap.MADV_HUGEPAGE)
+    # NOTE: the tensor holds a reference to the mapping, which is unmapped when the last goes.
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
