@@ -61,8 +61,13 @@ PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n $(WORKERS)
 # workers) compiled what it imported (a fraction of a second each). A stale .pyc is ignored.
 COMPILE := $(PY) -m compileall -q src >/dev/null
 
-test: install-test browser lint
+# This host's kernels build (a fresh clone, or a changed kernel source: ~25 s of one core) while
+# lint and types run on the other core: in the suite, the first tests of both workers waited
+# on that build. (A failed build is the suite's to report: the kernel tests build again.)
+test: install-test browser
 	$(COMPILE)
+	$(PY) -c 'from convoy import kernels; kernels.available()' & build=$$!; \
+	  $(MAKE) --no-print-directory lint; lint=$$?; wait $$build; exit $$lint
 	$(PYTEST) -q -x --durations=15 $(ARGS)
 
 # The developers' lane: unit and engine tests, no servers, no Ray, no slow model loads.
