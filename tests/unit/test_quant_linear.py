@@ -357,7 +357,35 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
         blocks, _ = _blocks(21, 256, qtype, seed=i)
         cases.append((int(qtype), blocks, 256, torch.randn(9, 256)))
     cases += _base_kind_cases()
+    cases += _many_row_cases()
     _assert_same_bits_when_built_for("avx2", cases, tmp_path)
+
+
+def _many_row_cases() -> list:
+    """Enough rows and panels for the compute-bound tiles (zmm tiles of four panels where the
+    host has AVX-512 VNNI), with a part-filled last group: 61 outputs are 8 panels, the last one
+    5 rows deep."""
+    cases = []
+    for i, qtype in enumerate([T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0]):
+        blocks, _ = _blocks(61, 256, qtype, seed=60 + i)
+        cases.append((int(qtype), blocks, 256, torch.randn(40, 256)))
+    for i, types in enumerate(([T.Q4_K, T.Q5_K], [T.Q3_K, T.Q6_K])):  # kQ5, kQ6
+        parts = [(int(t), _blocks(32, 256, t, seed=70 + i)[0]) for t in types]
+        cases.append((parts, None, 256, torch.randn(40, 256)))
+    return cases
+
+
+@pytest.mark.skipif(builder.isa() != "avx512vnni", reason="zmm tiles need AVX-512 VNNI")
+def test_zmm_tiles_give_the_bits_of_ymm_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CONVOY_CPU_ZMM=0 runs the same tiles in ymm registers: the same outputs, bit for bit, at
+    every row count (a tile of 1-4 rows, a part-filled last group of panels)."""
+    for qtype, blocks, k, x in _many_row_cases():
+        layer = _layer(qtype, blocks, k)
+        wide = layer(x)
+        monkeypatch.setenv("CONVOY_CPU_ZMM", "0")
+        for m in (16, 17, 19, 40):
+            assert torch.equal(layer(x[:m]), wide[:m]), (qtype, m)
+        monkeypatch.delenv("CONVOY_CPU_ZMM")
 
 
 def _base_kind_cases() -> list:

@@ -71,6 +71,9 @@
 #if defined(CONVOY_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define CONVOY_VNNI 1
 #endif
+#if defined(CONVOY_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define CONVOY_ZMM 1  // 4-, 5- and 6-bit kinds run two panels a zmm at many rows (VZ below)
+#endif
 
 namespace {
 
@@ -807,106 +810,213 @@ struct Cursor {
   }
 };
 
+// Register vectors of panel lanes. VY: one panel's 8 rows, a ymm. VZ: two panels' 16 rows, a zmm
+// (the first panel's rows in its low half), where the CPU has AVX-512 VNNI: a zmm dpbusd does
+// twice a ymm's multiply-adds in one instruction, and at many rows the kernels are bound by
+// instructions, not by the weights' read. `at[v]` (VY) or `at[2v]`, `at[2v + 1]` (VZ) are vector
+// v's panels. The kernels below are written once over V: every lane runs the same integer dots
+// and the same float steps in the same order, so VZ gives VY's bits.
+struct VY {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kPanels = 1;
+  static I load(const uint8_t* const* at, int v, int64_t off) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[v] + off));
+  }
+  static I bytes(char c) { return _mm256_set1_epi8(c); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I high_nibbles(I raw, I low) { return _mm256_and_si256(_mm256_srli_epi16(raw, 4), low); }
+  static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub32(I a, int32_t s) { return _mm256_sub_epi32(a, _mm256_set1_epi32(s)); }
+  // bits `from`.. of every byte moved to bits `to`.. (what crosses a byte is masked off later)
+  static I move_bits(I v, int from, int to) {
+    return from >= to ? _mm256_srl_epi16(v, _mm_cvtsi32_si128(from - to))
+                      : _mm256_sll_epi16(v, _mm_cvtsi32_si128(to - from));
+  }
+#ifdef CONVOY_VNNI
+  static I dot(I acc, I w, const int8_t* x) { return _mm256_dpbusd_epi32(acc, w, bcast4(x)); }
+#endif
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F set1(float f) { return _mm256_set1_ps(f); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  // 8 fp16 of each panel at `off`
+  static F half8(const uint8_t* const* at, int v, int64_t off) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at[v] + off)));
+  }
+  // 8 floats of each panel's precomputed scales
+  static F floats(const float* const* fs, int v, int64_t off) {
+    return _mm256_loadu_ps(fs[v] + off);
+  }
+  static F sb_d(const uint8_t* const* header, int v, int i) { return ::sb_d(header[v], i); }
+  static F sb_scale(F d, const uint8_t* const* header, int v, int64_t off, bool is_signed) {
+    return ::sb_scale(d, header[v] + off, is_signed);
+  }
+};
+
+#ifdef CONVOY_ZMM
+struct VZ {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kPanels = 2;
+  static I load(const uint8_t* const* at, int v, int64_t off) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[2 * v] + off));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[2 * v + 1] + off));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+  static I bytes(char c) { return _mm512_set1_epi8(c); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I high_nibbles(I raw, I low) { return _mm512_and_si512(_mm512_srli_epi16(raw, 4), low); }
+  static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub32(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
+  static I move_bits(I v, int from, int to) {
+    return from >= to ? _mm512_srl_epi16(v, _mm_cvtsi32_si128(from - to))
+                      : _mm512_sll_epi16(v, _mm_cvtsi32_si128(to - from));
+  }
+  static I dot(I acc, I w, const int8_t* x) {
+    int32_t q;
+    std::memcpy(&q, x, 4);
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(q));
+  }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F set1(float f) { return _mm512_set1_ps(f); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static __m256i pair128(const uint8_t* a, const uint8_t* b) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+  }
+  static F half8(const uint8_t* const* at, int v, int64_t off) {
+    return _mm512_cvtph_ps(pair128(at[2 * v] + off, at[2 * v + 1] + off));
+  }
+  static F floats(const float* const* fs, int v, int64_t off) {
+    const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(fs[2 * v] + off)));
+    return _mm512_castpd_ps(
+        _mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(fs[2 * v + 1] + off)), 1));
+  }
+  static F sb_d(const uint8_t* const* header, int v, int i) {
+    return _mm512_cvtph_ps(pair128(header[2 * v] + 16 * i, header[2 * v + 1] + 16 * i));
+  }
+  static F sb_scale(F d, const uint8_t* const* header, int v, int64_t off, bool is_signed) {
+    const __m128i raw = _mm_unpacklo_epi64(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(header[2 * v] + off)),
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(header[2 * v + 1] + off)));
+    const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(wide));
+  }
+};
+#endif
+
 // NOTE: each activation row keeps two integer accumulators per panel (low and high nibbles, or the
 // two 16-weight halves), summed after the block: dpbusd has a latency of several cycles, and one
 // chain per row left the kernel latency-bound. Integer sums are exact, so the split changes no
 // result. P panels (2 with VNNI's 32 registers) share each broadcast of the activations.
 // TWO (kQ4D): each half has its own scale and offset, so the halves' sums stay apart.
-template <int MR, int P, bool TWO, bool SB = false>
+template <int MR, int P, bool TWO, bool SB = false, typename V = VY>
 void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x,
-              __m256 (*acc)[MR], const float* const* fs = nullptr) {
+              typename V::F (*acc)[MR], const float* const* fs = nullptr) {
   static_assert(!(TWO && SB), "kQ4D has no superblock-scaled form");
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int NP = P * V::kPanels;  // panels: P vectors of them
   constexpr int64_t bsz = SB ? 128 : TWO ? 192 : 160;
   constexpr int64_t stride = SB ? bsz + kSbHeader / kSuperBlocks : bsz;  // on average
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  const I low = V::bytes(0x0F);
 #ifndef CONVOY_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   // SB: the superblock's d and dmin kept in registers where the tile leaves them free
   constexpr bool hoist = SB && MR * P <= kHoistTile;
-  __m256 dsb[P], msb[P];
-  Cursor<P, SB, bsz> cur(panels);
+  F dsb[P], msb[P];
+  Cursor<NP, SB, bsz> cur(panels);
   for (int64_t b = 0; b < nb; cur.next(b++)) {
-    __m256i isum[P][2][MR];
+    I isum[P][2][MR];
     const uint8_t* const* at = cur.at;
     const uint8_t* const* header = cur.header;
-    for (int p = 0; p < P; ++p) prefetch_ahead<stride>(at[p]);
+    for (int q = 0; q < NP; ++q) prefetch_ahead<stride>(at[q]);
     if constexpr (hoist)
       if (b % kSuperBlocks == 0)
         for (int p = 0; p < P; ++p) {
-          dsb[p] = sb_d(header[p], 0);
-          msb[p] = sb_d(header[p], 1);
+          dsb[p] = V::sb_d(header, p, 0);
+          msb[p] = V::sb_d(header, p, 1);
         }
     for (int p = 0; p < P; ++p)
-      for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
+      for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = V::zero();
     for (int j = 0; j < 4; ++j) {
-      __m256i lo[P], hi[P];
+      I lo[P], hi[P];
       for (int p = 0; p < P; ++p) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[p] + 32 * j));
-        lo[p] = _mm256_and_si256(raw, low);
-        hi[p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        const I raw = V::load(at, p, 32 * j);
+        lo[p] = V::and_(raw, low);
+        hi[p] = V::high_nibbles(raw, low);
       }
       for (int i = 0; i < MR; ++i) {
-        const __m256i xl = bcast4(x[i][b].q + 4 * j), xh = bcast4(x[i][b].q + 16 + 4 * j);
+        const int8_t *xl = x[i][b].q + 4 * j, *xh = x[i][b].q + 16 + 4 * j;
         for (int p = 0; p < P; ++p) {
 #ifdef CONVOY_VNNI
-          isum[p][0][i] = _mm256_dpbusd_epi32(isum[p][0][i], lo[p], xl);
-          isum[p][1][i] = _mm256_dpbusd_epi32(isum[p][1][i], hi[p], xh);
+          isum[p][0][i] = V::dot(isum[p][0][i], lo[p], xl);
+          isum[p][1][i] = V::dot(isum[p][1][i], hi[p], xh);
 #else  // |pair sums| <= 2 * 15 * 127: eight of them fit int16
-          isum[p][0][i] = _mm256_add_epi16(isum[p][0][i], _mm256_maddubs_epi16(lo[p], xl));
-          isum[p][TWO][i] = _mm256_add_epi16(isum[p][TWO][i], _mm256_maddubs_epi16(hi[p], xh));
+          isum[p][0][i] =
+              _mm256_add_epi16(isum[p][0][i], _mm256_maddubs_epi16(lo[p], bcast4(xl)));
+          isum[p][TWO][i] =
+              _mm256_add_epi16(isum[p][TWO][i], _mm256_maddubs_epi16(hi[p], bcast4(xh)));
 #endif
         }
       }
     }
     for (int p = 0; p < P; ++p) {
-      const uint8_t* blk = at[p];
-      const auto half8 = [&](int64_t off) {
-        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
-      };
       if constexpr (TWO) {
-        const __m256 d0 = half8(128), d1 = half8(144), m0 = half8(160), m1 = half8(176);
+        const F d0 = V::half8(at, p, 128), d1 = V::half8(at, p, 144);
+        const F m0 = V::half8(at, p, 160), m1 = V::half8(at, p, 176);
         for (int i = 0; i < MR; ++i) {
 #ifdef CONVOY_VNNI
-          const __m256i dot0 = isum[p][0][i], dot1 = isum[p][1][i];
+          const I dot0 = isum[p][0][i], dot1 = isum[p][1][i];
 #else
           const __m256i dot0 = _mm256_madd_epi16(isum[p][0][i], ones);
           const __m256i dot1 = _mm256_madd_epi16(isum[p][1][i], ones);
 #endif
-          const __m256 dx = _mm256_set1_ps(x[i][b].d);
-          acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(dot0), acc[p][i]);
-          acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(dot1), acc[p][i]);
-          acc[p][i] = _mm256_fmadd_ps(m0, _mm256_set1_ps(x[i][b].s0), acc[p][i]);
-          acc[p][i] = _mm256_fmadd_ps(m1, _mm256_set1_ps(x[i][b].s1), acc[p][i]);
+          const F dx = V::set1(x[i][b].d);
+          acc[p][i] = V::fmadd(V::mul(d0, dx), V::cvt(dot0), acc[p][i]);
+          acc[p][i] = V::fmadd(V::mul(d1, dx), V::cvt(dot1), acc[p][i]);
+          acc[p][i] = V::fmadd(m0, V::set1(x[i][b].s0), acc[p][i]);
+          acc[p][i] = V::fmadd(m1, V::set1(x[i][b].s1), acc[p][i]);
         }
         continue;
       }
-      __m256 d, m;  // SB: m = dmin * mn, subtracted (the offset is -m, exact)
+      F d, m;  // SB: m = dmin * mn, subtracted (the offset is -m, exact)
       if constexpr (SB) {
         if (fs != nullptr) {  // precomputed: the same values
-          d = _mm256_loadu_ps(fs[p] + 16 * b);
-          m = _mm256_loadu_ps(fs[p] + 16 * b + 8);
+          d = V::floats(fs, p, 16 * b);
+          m = V::floats(fs, p, 16 * b + 8);
         } else {
           const int64_t s = 8 * (b % kSuperBlocks);
-          d = sb_scale(hoist ? dsb[p] : sb_d(header[p], 0), header[p] + kSbScales + s, false);
-          m = sb_scale(hoist ? msb[p] : sb_d(header[p], 1), header[p] + kSbSecond + s, false);
+          d = V::sb_scale(hoist ? dsb[p] : V::sb_d(header, p, 0), header, p, kSbScales + s, false);
+          m = V::sb_scale(hoist ? msb[p] : V::sb_d(header, p, 1), header, p, kSbSecond + s, false);
         }
       } else {
-        d = half8(128);
-        m = half8(144);
+        d = V::half8(at, p, 128);
+        m = V::half8(at, p, 144);
       }
       for (int i = 0; i < MR; ++i) {
 #ifdef CONVOY_VNNI
-        const __m256i dot = _mm256_add_epi32(isum[p][0][i], isum[p][1][i]);
+        const I dot = V::add32(isum[p][0][i], isum[p][1][i]);
 #else
         const __m256i dot = _mm256_madd_epi16(isum[p][0][i], ones);
 #endif
-        acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[i][b].d)),
-                                    _mm256_cvtepi32_ps(dot), acc[p][i]);
+        acc[p][i] = V::fmadd(V::mul(d, V::set1(x[i][b].d)), V::cvt(dot), acc[p][i]);
         if constexpr (SB) {
-          acc[p][i] = _mm256_fnmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[p][i]);
+          acc[p][i] = V::fnmadd(m, V::set1(x[i][b].s), acc[p][i]);
         } else {
-          acc[p][i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[p][i]);
+          acc[p][i] = V::fmadd(m, V::set1(x[i][b].s), acc[p][i]);
         }
       }
     }
@@ -997,94 +1107,83 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
   }
 }
 
-// Bits `from`.. of every byte moved to bits `to`.. (16-bit shifts: what crosses a byte boundary
-// lands in bits the caller masks off)
-inline __m256i move_bits(__m256i v, int from, int to) {
-  return from >= to ? _mm256_srl_epi16(v, _mm_cvtsi32_si128(from - to))
-                    : _mm256_sll_epi16(v, _mm_cvtsi32_si128(to - from));
-}
-
 // Bit-plane kinds (kQ5, kQ6, kQ3): load j's quants of both halves rebuilt from the planes as u8,
 // then kQ4's dots (kQ5) or kQ8's (kQ6, kQ3: two scales, the offset taken back off in integers).
 // AVX2 keeps int16 pair sums while they fit (4 loads x 2 * 31 * 127 for kQ5) and widens every load
 // for kQ6 (2 * 63 * 127 a pair).
-template <int MR, int P, int64_t KIND, bool SB = false>
+template <int MR, int P, int64_t KIND, bool SB = false, typename V = VY>
 void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x,
-                __m256 (*acc)[MR], const float* const* fs = nullptr) {
+                typename V::F (*acc)[MR], const float* const* fs = nullptr) {
   static_assert(!(SB && KIND == kQ3), "kQ3 has no superblock-scaled form");
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int NP = P * V::kPanels;  // panels: P vectors of them
   constexpr int64_t bsz = (KIND == kQ5 ? 192 : KIND == kQ6 ? 224 : 128) - (SB ? 32 : 0);
   constexpr int64_t soff = bsz - 32;  // the fp16 scales (not SB)
   constexpr int64_t stride = SB ? bsz + kSbHeader / kSuperBlocks : bsz;  // on average
   constexpr int offset = KIND == kQ6 ? 32 : KIND == kQ3 ? 4 : 0;
   constexpr bool wide = KIND == kQ6;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30);
-  const __m256i bits01 = _mm256_set1_epi8(0x03), bit2 = _mm256_set1_epi8(0x04);
+  (void)wide;
+  const I low = V::bytes(0x0F);
+  const I bit4 = V::bytes(0x10), bits45 = V::bytes(0x30);
+  const I bits01 = V::bytes(0x03), bit2 = V::bytes(0x04);
 #ifndef CONVOY_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
-  const auto load = [](const uint8_t* p) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  };
   // SB: the superblock's d (and dmin) kept in registers where the tile leaves them free
   constexpr bool hoist = SB && MR * P <= kHoistTile;
-  __m256 dsb[P], msb[P];
-  Cursor<P, SB, bsz> cur(panels);
+  F dsb[P], msb[P];
+  Cursor<NP, SB, bsz> cur(panels);
   for (int64_t b = 0; b < nb; cur.next(b++)) {
-    __m256i isum[P][2][MR];
-    __m256i plane[P][2];
+    I isum[P][2][MR];
+    I plane[P][2];
     const uint8_t* const* at = cur.at;
     const uint8_t* const* header = cur.header;
     if constexpr (hoist)
       if (b % kSuperBlocks == 0)
         for (int p = 0; p < P; ++p) {
-          dsb[p] = sb_d(header[p], 0);
-          msb[p] = KIND == kQ6 ? dsb[p] : sb_d(header[p], 1);
+          dsb[p] = V::sb_d(header, p, 0);
+          msb[p] = KIND == kQ6 ? dsb[p] : V::sb_d(header, p, 1);
         }
+    for (int q = 0; q < NP; ++q) prefetch_ahead<stride>(at[q]);
     for (int p = 0; p < P; ++p) {
-      const uint8_t* blk = at[p];
-      prefetch_ahead<stride>(blk);
       if constexpr (KIND == kQ5) {
-        plane[p][0] = plane[p][1] = load(blk + kNibbleBytes);
+        plane[p][0] = plane[p][1] = V::load(at, p, kNibbleBytes);
       } else if constexpr (KIND == kQ6) {
-        plane[p][0] = load(blk + kNibbleBytes);
-        plane[p][1] = load(blk + kNibbleBytes + 32);
+        plane[p][0] = V::load(at, p, kNibbleBytes);
+        plane[p][1] = V::load(at, p, kNibbleBytes + 32);
       } else {
-        plane[p][0] = load(blk);
-        plane[p][1] = load(blk + 32);
+        plane[p][0] = V::load(at, p, 0);
+        plane[p][1] = V::load(at, p, 32);
       }
-      for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
+      for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = V::zero();
     }
     for (int j = 0; j < 4; ++j) {
-      __m256i w[P][2];
+      I w[P][2];
       for (int p = 0; p < P; ++p) {
-        const uint8_t* blk = at[p];
         if constexpr (KIND == kQ3) {
-          const __m256i one = load(blk + kPlane2Bytes);
+          const I one = V::load(at, p, kPlane2Bytes);
           for (int h = 0; h < 2; ++h)
-            w[p][h] = _mm256_or_si256(
-                _mm256_and_si256(move_bits(plane[p][h], 2 * j, 0), bits01),
-                _mm256_and_si256(move_bits(one, 4 * h + j, 2), bit2));
+            w[p][h] = V::or_(V::and_(V::move_bits(plane[p][h], 2 * j, 0), bits01),
+                             V::and_(V::move_bits(one, 4 * h + j, 2), bit2));
         } else {
-          const __m256i raw = load(blk + 32 * j);
-          const __m256i nib[2] = {_mm256_and_si256(raw, low),
-                                  _mm256_and_si256(_mm256_srli_epi16(raw, 4), low)};
+          const I raw = V::load(at, p, 32 * j);
+          const I nib[2] = {V::and_(raw, low), V::high_nibbles(raw, low)};
           for (int h = 0; h < 2; ++h) {
-            const __m256i top =
-                KIND == kQ5 ? _mm256_and_si256(move_bits(plane[p][h], 4 * h + j, 4), bit4)
-                            : _mm256_and_si256(move_bits(plane[p][h], 2 * j, 4), bits45);
-            w[p][h] = _mm256_or_si256(nib[h], top);
+            const I top = KIND == kQ5 ? V::and_(V::move_bits(plane[p][h], 4 * h + j, 4), bit4)
+                                      : V::and_(V::move_bits(plane[p][h], 2 * j, 4), bits45);
+            w[p][h] = V::or_(nib[h], top);
           }
         }
       }
       for (int i = 0; i < MR; ++i) {
-        const __m256i xs[2] = {bcast4(x[i][b].q + 4 * j), bcast4(x[i][b].q + 16 + 4 * j)};
+        const int8_t* xs[2] = {x[i][b].q + 4 * j, x[i][b].q + 16 + 4 * j};
         for (int p = 0; p < P; ++p)
           for (int h = 0; h < 2; ++h) {
 #ifdef CONVOY_VNNI
-            isum[p][h][i] = _mm256_dpbusd_epi32(isum[p][h][i], w[p][h], xs[h]);
-#else
-            const __m256i prod = _mm256_maddubs_epi16(w[p][h], xs[h]);
+            isum[p][h][i] = V::dot(isum[p][h][i], w[p][h], xs[h]);
+#else  // AVX2 keeps int16 pair sums while they fit, and widens every load for kQ6
+            const __m256i prod = _mm256_maddubs_epi16(w[p][h], bcast4(xs[h]));
             isum[p][h][i] = wide ? _mm256_add_epi32(isum[p][h][i], _mm256_madd_epi16(prod, ones))
                                  : _mm256_add_epi16(isum[p][h][i], prod);
 #endif
@@ -1092,31 +1191,26 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
       }
     }
     for (int p = 0; p < P; ++p) {
-      const uint8_t* blk = at[p];
-      const auto half8 = [&](int64_t off) {
-        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
-      };
       // the block's two scales (kQ6, kQ3: halves 0 and 1; kQ5: scale and offset; SB kQ5: the
       // offset's magnitude, subtracted)
-      __m256 sc[2];
+      F sc[2];
       if constexpr (SB) {
         if (fs != nullptr) {  // precomputed: the same values
-          sc[0] = _mm256_loadu_ps(fs[p] + 16 * b);
-          sc[1] = _mm256_loadu_ps(fs[p] + 16 * b + 8);
+          sc[0] = V::floats(fs, p, 16 * b);
+          sc[1] = V::floats(fs, p, 16 * b + 8);
         } else {
           const int64_t s = 8 * (b % kSuperBlocks);
-          const __m256 d = hoist ? dsb[p] : sb_d(header[p], 0);  // the superblock's d (and dmin)
-          sc[0] = sb_scale(d, header[p] + kSbScales + s, KIND == kQ6);
-          sc[1] = sb_scale(KIND == kQ6 ? d : hoist ? msb[p] : sb_d(header[p], 1),
-                           header[p] + kSbSecond + s,
-                           KIND == kQ6);
+          const F d = hoist ? dsb[p] : V::sb_d(header, p, 0);  // the superblock's d (and dmin)
+          sc[0] = V::sb_scale(d, header, p, kSbScales + s, KIND == kQ6);
+          sc[1] = V::sb_scale(KIND == kQ6 ? d : hoist ? msb[p] : V::sb_d(header, p, 1), header,
+                              p, kSbSecond + s, KIND == kQ6);
         }
       } else {
-        sc[0] = half8(soff);
-        sc[1] = half8(soff + 16);
+        sc[0] = V::half8(at, p, soff);
+        sc[1] = V::half8(at, p, soff + 16);
       }
       for (int i = 0; i < MR; ++i) {
-        __m256i dot[2];
+        I dot[2];
         for (int h = 0; h < 2; ++h) {
 #ifdef CONVOY_VNNI
           dot[h] = isum[p][h][i];
@@ -1124,22 +1218,19 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
           dot[h] = wide ? isum[p][h][i] : _mm256_madd_epi16(isum[p][h][i], ones);
 #endif
         }
-        const __m256 dx = _mm256_set1_ps(x[i][b].d);
+        const F dx = V::set1(x[i][b].d);
         if constexpr (KIND == kQ5) {
-          acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(sc[0], dx),
-                                      _mm256_cvtepi32_ps(_mm256_add_epi32(dot[0], dot[1])),
-                                      acc[p][i]);
+          acc[p][i] = V::fmadd(V::mul(sc[0], dx), V::cvt(V::add32(dot[0], dot[1])), acc[p][i]);
           if constexpr (SB) {
-            acc[p][i] = _mm256_fnmadd_ps(sc[1], _mm256_set1_ps(x[i][b].s), acc[p][i]);
+            acc[p][i] = V::fnmadd(sc[1], V::set1(x[i][b].s), acc[p][i]);
           } else {
-            acc[p][i] = _mm256_fmadd_ps(sc[1], _mm256_set1_ps(x[i][b].s), acc[p][i]);
+            acc[p][i] = V::fmadd(sc[1], V::set1(x[i][b].s), acc[p][i]);
           }
         } else {
           for (int h = 0; h < 2; ++h) {
             const int32_t xsum = h == 0 ? x[i][b].sa : x[i][b].sb;
-            const __m256i d = _mm256_sub_epi32(dot[h], _mm256_set1_epi32(offset * xsum));
-            acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(sc[h], dx), _mm256_cvtepi32_ps(d),
-                                        acc[p][i]);
+            const I d = V::sub32(dot[h], offset * xsum);
+            acc[p][i] = V::fmadd(V::mul(sc[h], dx), V::cvt(d), acc[p][i]);
           }
         }
       }
@@ -1227,12 +1318,21 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
 }
 #endif
 
-// Activation rows from which a tile runs two panels: below 32 a tile is still bound by the weight
-// stream, and two panels are two streams (Gemma head at 16 rows: 16.5 ms one panel, 20.2 two).
+// Activation rows from which a tile runs kP panels: below 32 a tile is still bound by the weight
+// stream, and two panels are two streams (Gemma head at 16 rows: 16.5 ms one panel, 20.2 two,
+// AVX2 EPYC). With zmm tiles 16 rows are already bound by instructions (2-core Xeon with AVX-512
+// VNNI, in one process: a 3B Q4_K_M layer at 16 rows 195 GMAC/s in zmm tiles, 152-155 one panel
+// at a time; Gemma's head at 16 rows 16.9-17.4 ms either way).
+#ifdef CONVOY_ZMM
+constexpr int64_t kPairMinRows = 16;
+#else
 constexpr int64_t kPairMinRows = 32;
+#endif
 constexpr int64_t kChunksPerThread = 8;  // of a compute-bound linear's panels
 constexpr int64_t kStagePanels = 32;     // staged outputs: 64 rows x 256 columns, 64 KB
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_ZMM
+constexpr int64_t kP = 4;  // weight panels per register tile: two zmm (VZ) or two ymm tiles
+#elif defined(CONVOY_VNNI)
 constexpr int64_t kP = 2;  // weight panels per register tile
 #else
 constexpr int64_t kP = 1;  // AVX2 has 16 registers: one panel's accumulators fill them
@@ -1248,6 +1348,83 @@ void run_tile(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock
     case 2: panel<2, P>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
     default: panel<1, P>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
   }
+}
+
+#ifdef CONVOY_ZMM
+// Whether zmm tiles run (VZ); CONVOY_CPU_ZMM=0 says no, for an A/B in one process (read at each
+// call: the results are the same bits either way)
+bool zmm_tiles() {
+  const char* off = std::getenv("CONVOY_CPU_ZMM");
+  return !(off && off[0] == '0');
+}
+
+// The kinds with VZ kernels: those of 4- to 6-bit weights, the common files' (Q4_0, Q4_K, Q5_K,
+// Q6_K, ...); the 8-bit and codebook kinds run two ymm tiles
+inline bool zmm_kind(int64_t kind) {
+  return kind == kQ4 || kind == kQ4K || kind == kQ5 || kind == kQ5K || kind == kQ6 ||
+         kind == kQ6K;
+}
+
+// 4 panels (two zmm of 16 rows, `lanes` of 32 real) x MR activation rows -> out (MR, ldo)
+template <int MR>
+void panel_z(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
+             float* out, int64_t ldo, int64_t lanes, const float* const* fs) {
+  __m512 acc[2][MR];
+  for (int v = 0; v < 2; ++v)
+    for (int i = 0; i < MR; ++i) acc[v][i] = _mm512_setzero_ps();
+  if (kind == kQ4) {
+    panel_q4<MR, 2, false, false, VZ>(wg, nb, x, acc);
+  } else if (kind == kQ4K) {
+    panel_q4<MR, 2, false, true, VZ>(wg, nb, x, acc, fs);
+  } else if (kind == kQ5K) {
+    panel_bits<MR, 2, kQ5, true, VZ>(wg, nb, x, acc, fs);
+  } else if (kind == kQ6K) {
+    panel_bits<MR, 2, kQ6, true, VZ>(wg, nb, x, acc, fs);
+  } else if (kind == kQ5) {
+    panel_bits<MR, 2, kQ5, false, VZ>(wg, nb, x, acc);
+  } else {
+    panel_bits<MR, 2, kQ6, false, VZ>(wg, nb, x, acc);
+  }
+  for (int v = 0; v < 2; ++v) {
+    const int64_t n = std::min<int64_t>(2 * R, lanes - v * 2 * R);
+    if (n <= 0) continue;
+    const __mmask16 mask = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + i * ldo + v * 2 * R, mask, acc[v][i]);
+  }
+}
+#endif
+
+// np (1..kP) panels x cnt activation rows -> o; `lanes` of the panels' rows are real
+void run_group(int64_t kind, const uint8_t* const* wg, int64_t np, int64_t nb,
+               const ActBlock* const* rows, int64_t cnt, float* o, int64_t ldo, int64_t lanes,
+               const float* const* fs = nullptr) {
+  if (np < kP) {  // the end of a range: pairs, then single panels
+    int64_t p = 0;
+#ifdef CONVOY_VNNI
+    for (; p + 2 <= np; p += 2)
+      run_tile<2>(kind, wg + p, nb, rows, cnt, o + p * R, ldo, lanes - p * R, fs ? fs + p : nullptr);
+#endif
+    for (; p < np; ++p)
+      run_tile<1>(kind, wg + p, nb, rows, cnt, o + p * R, ldo, lanes - p * R, fs ? fs + p : nullptr);
+    return;
+  }
+#ifdef CONVOY_ZMM
+  if (zmm_kind(kind) && zmm_tiles()) {
+    switch (cnt) {
+      case 4: panel_z<4>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
+      case 3: panel_z<3>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
+      case 2: panel_z<2>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
+      default: panel_z<1>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
+    }
+    return;
+  }
+  for (int64_t h = 0; h < 2; ++h)  // two ymm tiles of 2 panels
+    if (lanes > h * 2 * R)
+      run_tile<2>(kind, wg + 2 * h, nb, rows, cnt, o + h * 2 * R, ldo, lanes - h * 2 * R,
+                  fs ? fs + 2 * h : nullptr);
+#else
+  run_tile<kP>(kind, wg, nb, rows, cnt, o, ldo, lanes, fs);
+#endif
 }
 
 // A superblock-scaled panel's block scales as fp32, 16 a block (d of the 8 rows, then dmin * mn
@@ -1328,11 +1505,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
           const int64_t cnt = std::min(kMR, m1 - mi);
           for (int64_t i = 0; i < cnt; ++i) rows[i] = xq.data() + (mi + i) * nb;
           float* o = dst + (mi - m0) * ld + g * R - col0;
-          if (np == kP) {
-            run_tile<kP>(kind, wg, nb, rows, cnt, o, ld, lanes, fs[0] ? fs : nullptr);
-          } else {
-            run_tile<1>(kind, wg, nb, rows, cnt, o, ld, lanes, fs[0] ? fs : nullptr);
-          }
+          run_group(kind, wg, np, nb, rows, cnt, o, ld, lanes, fs[0] ? fs : nullptr);
         }
       }
     };
@@ -1367,7 +1540,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
     // no result.
     const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
     int64_t chunk = std::max<int64_t>(1, G / (nt * kChunksPerThread));
-    chunk = (chunk + kP - 1) / kP * kP;  // whole panel pairs
+    chunk = (chunk + kP - 1) / kP * kP;  // whole groups of kP panels
     const int64_t nchunks = (G + chunk - 1) / chunk;
     std::atomic<int64_t> next{0};
     // NOTE: a register tile's 8 outputs of a row are half a cache line, and the rows of a wide
@@ -1489,7 +1662,7 @@ std::vector<std::vector<Segment>> expert_chunks(const std::vector<int64_t>& star
     const int64_t cost = n + 1;
     for (int64_t g = 0; g < Gp;) {
       int64_t take = std::max<int64_t>(1, (target - acc + cost - 1) / cost);
-      take = std::min(Gp - g, (take + kP - 1) / kP * kP);  // whole panel pairs
+      take = std::min(Gp - g, (take + kP - 1) / kP * kP);  // whole groups of kP panels
       cur.push_back({e, g, g + take});
       acc += take * cost;
       g += take;
@@ -1537,11 +1710,7 @@ void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, 
           const int64_t cnt = std::min(kMR, m1 - mi);
           for (int64_t i = 0; i < cnt; ++i) rows[i] = row_blocks(r0 + mi + i);
           float* o = out + (r0 + mi) * N + g * R;
-          if (np == kP) {
-            run_tile<kP>(kind, wg, nb, rows, cnt, o, N, lanes);
-          } else {
-            run_tile<1>(kind, wg, nb, rows, cnt, o, N, lanes);
-          }
+          run_group(kind, wg, np, nb, rows, cnt, o, N, lanes);
         }
       }
     }
