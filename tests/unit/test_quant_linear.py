@@ -366,11 +366,18 @@ def _many_row_cases() -> list:
     host has AVX-512 VNNI), with a part-filled last group: 61 outputs are 8 panels, the last one
     5 rows deep."""
     cases = []
-    for i, qtype in enumerate([T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0]):
+    for i, qtype in enumerate([T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q2_K, T.Q3_K]):
         blocks, _ = _blocks(61, 256, qtype, seed=60 + i)
         cases.append((int(qtype), blocks, 256, torch.randn(40, 256)))
-    for i, types in enumerate(([T.Q4_K, T.Q5_K], [T.Q3_K, T.Q6_K])):  # kQ5, kQ6
-        parts = [(int(t), _blocks(32, 256, t, seed=70 + i)[0]) for t in types]
+    # kQ5, kQ6; kQ8M and kQ8 (no cut splits these in two runs of narrow kinds)
+    joined = (
+        [T.Q4_K, T.Q5_K],
+        [T.Q3_K, T.Q6_K],
+        [T.Q4_K, T.Q8_0, T.Q4_K],
+        [T.Q6_K, T.Q8_0, T.Q6_K],
+    )
+    for i, types in enumerate(joined):
+        parts = [(int(t), _blocks(16, 256, t, seed=70 + i)[0]) for t in types]
         cases.append((parts, None, 256, torch.randn(40, 256)))
     return cases
 

@@ -828,6 +828,12 @@ struct VY {
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I high_nibbles(I raw, I low) { return _mm256_and_si256(_mm256_srli_epi16(raw, 4), low); }
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  // the IQ4 codebook in every 128-bit lane, and its int8 values of 4-bit indices
+  static I codebook() {
+    return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  }
+  static I lookup(I table, I idx) { return _mm256_shuffle_epi8(table, idx); }
   static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub32(I a, int32_t s) { return _mm256_sub_epi32(a, _mm256_set1_epi32(s)); }
   // bits `from`.. of every byte moved to bits `to`.. (what crosses a byte is masked off later)
@@ -873,6 +879,11 @@ struct VZ {
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I high_nibbles(I raw, I low) { return _mm512_and_si512(_mm512_srli_epi16(raw, 4), low); }
+  static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I codebook() {
+    return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  }
+  static I lookup(I table, I idx) { return _mm512_shuffle_epi8(table, idx); }
   static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub32(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
   static I move_bits(I v, int from, int to) {
@@ -1026,56 +1037,59 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
 // SINGLE (kQ8S, kI4): one scale per block, so the halves' exact sums are added and scaled once.
 // LUT (kI4): the int8 weights are looked up from 4-bit indices in the 16-entry codebook (one
 // shuffle), laid out as kQ4's nibbles: load k's low nibbles are weights 4k.., its high 16 + 4k..
-template <int MR, int P, bool HAS_M, bool SINGLE, bool LUT = false>
-void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __m256 (*acc)[MR]) {
+template <int MR, int P, bool HAS_M, bool SINGLE, bool LUT = false, typename V = VY>
+void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
+              typename V::F (*acc)[MR]) {
   static_assert(!(HAS_M && SINGLE), "kQ8S has no offsets");
   static_assert(!LUT || SINGLE, "kI4 has one scale");
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int NP = P * V::kPanels;  // panels: P vectors of them
   constexpr int64_t bsz = LUT ? 144 : SINGLE ? 272 : HAS_M ? 304 : 288;
   constexpr int64_t soff = LUT ? 128 : 256;  // the scales' offset in a block
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i lut = _mm256_broadcastsi128_si256(
-      _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const I low = V::bytes(0x0F);
+  const I lut = V::codebook();
   (void)low;
   (void)lut;
 #ifdef CONVOY_VNNI
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const I flip = V::bytes(static_cast<char>(0x80));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
+  const uint8_t* at[NP];
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i isum[P][2][MR];
-    for (int p = 0; p < P; ++p) prefetch_ahead<bsz>(wg[p] + b * bsz);
+    I isum[P][2][MR];
+    for (int q = 0; q < NP; ++q) {
+      at[q] = wg[q] + b * bsz;
+      prefetch_ahead<bsz>(at[q]);
+    }
     for (int p = 0; p < P; ++p)
-      for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = _mm256_setzero_si256();
+      for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = V::zero();
     for (int k = 0; k < 4; ++k) {
-      __m256i raw[P];
+      I raw[P];
       if constexpr (LUT)
-        for (int p = 0; p < P; ++p)
-          raw[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[p] + b * bsz + 32 * k));
+        for (int p = 0; p < P; ++p) raw[p] = V::load(at, p, 32 * k);
       for (int h = 0; h < 2; ++h) {
         const int kk = 4 * h + k;
-        __m256i w[P];
+        I w[P];
         for (int p = 0; p < P; ++p) {
           if constexpr (LUT) {
-            const __m256i idx = h == 0 ? _mm256_and_si256(raw[p], low)
-                                       : _mm256_and_si256(_mm256_srli_epi16(raw[p], 4), low);
-            w[p] = _mm256_shuffle_epi8(lut, idx);
+            w[p] = V::lookup(lut, h == 0 ? V::and_(raw[p], low) : V::high_nibbles(raw[p], low));
           } else {
-            w[p] =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg[p] + b * bsz + 32 * kk));
+            w[p] = V::load(at, p, 32 * kk);
           }
 #ifdef CONVOY_VNNI
-          w[p] = _mm256_xor_si256(w[p], flip);  // w + 128 as u8; corrected below
+          w[p] = V::xor_(w[p], flip);  // w + 128 as u8; corrected below
 #endif
         }
         for (int i = 0; i < MR; ++i) {
-          const __m256i xb = bcast4(x[i][b].q + 4 * kk);
+          const int8_t* xb = x[i][b].q + 4 * kk;
           for (int p = 0; p < P; ++p) {
 #ifdef CONVOY_VNNI
-            isum[p][h][i] = _mm256_dpbusd_epi32(isum[p][h][i], w[p], xb);
+            isum[p][h][i] = V::dot(isum[p][h][i], w[p], xb);
 #else  // maddubs takes u8 x s8: |w| times x with w's sign
             const __m256i prod =
-                _mm256_maddubs_epi16(_mm256_abs_epi8(w[p]), _mm256_sign_epi8(xb, w[p]));
+                _mm256_maddubs_epi16(_mm256_abs_epi8(w[p]), _mm256_sign_epi8(bcast4(xb), w[p]));
             isum[p][h][i] = _mm256_add_epi32(isum[p][h][i], _mm256_madd_epi16(prod, ones));
 #endif
           }
@@ -1083,25 +1097,20 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x, __
       }
     }
     for (int p = 0; p < P; ++p) {
-      const uint8_t* blk = wg[p] + b * bsz;
       for (int h = 0; h < (SINGLE ? 1 : 2); ++h) {
-        const __m256 d = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + soff + 16 * h)));
+        const F d = V::half8(at, p, soff + 16 * h);
         for (int i = 0; i < MR; ++i) {
-          __m256i dot = SINGLE ? _mm256_add_epi32(isum[p][0][i], isum[p][1][i]) : isum[p][h][i];
+          I dot = SINGLE ? V::add32(isum[p][0][i], isum[p][1][i]) : isum[p][h][i];
 #ifdef CONVOY_VNNI
           const int32_t xs = SINGLE ? x[i][b].sa + x[i][b].sb : h == 0 ? x[i][b].sa : x[i][b].sb;
-          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * xs));
+          dot = V::sub32(dot, 128 * xs);
 #endif
-          acc[p][i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[i][b].d)),
-                                      _mm256_cvtepi32_ps(dot), acc[p][i]);
+          acc[p][i] = V::fmadd(V::mul(d, V::set1(x[i][b].d)), V::cvt(dot), acc[p][i]);
         }
       }
       if constexpr (HAS_M) {
-        const __m256 m =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288)));
-        for (int i = 0; i < MR; ++i)
-          acc[p][i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[i][b].s), acc[p][i]);
+        const F m = V::half8(at, p, 288);
+        for (int i = 0; i < MR; ++i) acc[p][i] = V::fmadd(m, V::set1(x[i][b].s), acc[p][i]);
       }
     }
   }
@@ -1358,12 +1367,8 @@ bool zmm_tiles() {
   return !(off && off[0] == '0');
 }
 
-// The kinds with VZ kernels: those of 4- to 6-bit weights, the common files' (Q4_0, Q4_K, Q5_K,
-// Q6_K, ...); the 8-bit and codebook kinds run two ymm tiles
-inline bool zmm_kind(int64_t kind) {
-  return kind == kQ4 || kind == kQ4K || kind == kQ5 || kind == kQ5K || kind == kQ6 ||
-         kind == kQ6K;
-}
+// The kinds with VZ kernels: all but Q2_K's and Q3_K's (kQ4D, kQ3), which run two ymm tiles
+inline bool zmm_kind(int64_t kind) { return kind != kQ4D && kind != kQ3; }
 
 // 4 panels (two zmm of 16 rows, `lanes` of 32 real) x MR activation rows -> out (MR, ldo)
 template <int MR>
@@ -1382,8 +1387,16 @@ void panel_z(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock*
     panel_bits<MR, 2, kQ6, true, VZ>(wg, nb, x, acc, fs);
   } else if (kind == kQ5) {
     panel_bits<MR, 2, kQ5, false, VZ>(wg, nb, x, acc);
-  } else {
+  } else if (kind == kQ6) {
     panel_bits<MR, 2, kQ6, false, VZ>(wg, nb, x, acc);
+  } else if (kind == kI4) {
+    panel_q8<MR, 2, false, true, true, VZ>(wg, nb, x, acc);
+  } else if (kind == kQ8S) {
+    panel_q8<MR, 2, false, true, false, VZ>(wg, nb, x, acc);
+  } else if (kind == kQ8) {
+    panel_q8<MR, 2, false, false, false, VZ>(wg, nb, x, acc);
+  } else {
+    panel_q8<MR, 2, true, false, false, VZ>(wg, nb, x, acc);
   }
   for (int v = 0; v < 2; ++v) {
     const int64_t n = std::min<int64_t>(2 * R, lanes - v * 2 * R);
