@@ -72,7 +72,7 @@
 #define CONVOY_VNNI 1
 #endif
 #if defined(CONVOY_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
-#define CONVOY_ZMM 1  // 4-, 5- and 6-bit kinds run two panels a zmm at many rows (VZ below)
+#define CONVOY_ZMM 1  // many-row tiles run two panels a zmm (VZ below)
 #endif
 
 namespace {
@@ -1331,11 +1331,14 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
 // stream, and two panels are two streams (Gemma head at 16 rows: 16.5 ms one panel, 20.2 two,
 // AVX2 EPYC). With zmm tiles 16 rows are already bound by instructions (2-core Xeon with AVX-512
 // VNNI, in one process: a 3B Q4_K_M layer at 16 rows 195 GMAC/s in zmm tiles, 152-155 one panel
-// at a time; Gemma's head at 16 rows 16.9-17.4 ms either way).
-#ifdef CONVOY_ZMM
-constexpr int64_t kPairMinRows = 16;
-#else
+// at a time; Gemma's head at 16 rows 16.9-17.4 ms either way). CONVOY_CPU_ZMM=0 keeps 32.
 constexpr int64_t kPairMinRows = 32;
+#ifdef CONVOY_ZMM
+bool zmm_tiles();
+constexpr int64_t kZmmMinRows = 16;
+inline int64_t pair_min_rows() { return zmm_tiles() ? kZmmMinRows : kPairMinRows; }
+#else
+inline int64_t pair_min_rows() { return kPairMinRows; }
 #endif
 constexpr int64_t kChunksPerThread = 8;  // of a compute-bound linear's panels
 constexpr int64_t kStagePanels = 32;     // staged outputs: 64 rows x 256 columns, 64 KB
@@ -1367,9 +1370,6 @@ bool zmm_tiles() {
   return !(off && off[0] == '0');
 }
 
-// The kinds with VZ kernels: all but Q2_K's and Q3_K's (kQ4D, kQ3), which run two ymm tiles
-inline bool zmm_kind(int64_t kind) { return kind != kQ4D && kind != kQ3; }
-
 // 4 panels (two zmm of 16 rows, `lanes` of 32 real) x MR activation rows -> out (MR, ldo)
 template <int MR>
 void panel_z(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
@@ -1389,6 +1389,10 @@ void panel_z(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock*
     panel_bits<MR, 2, kQ5, false, VZ>(wg, nb, x, acc);
   } else if (kind == kQ6) {
     panel_bits<MR, 2, kQ6, false, VZ>(wg, nb, x, acc);
+  } else if (kind == kQ3) {
+    panel_bits<MR, 2, kQ3, false, VZ>(wg, nb, x, acc);
+  } else if (kind == kQ4D) {
+    panel_q4<MR, 2, true, false, VZ>(wg, nb, x, acc);
   } else if (kind == kI4) {
     panel_q8<MR, 2, false, true, true, VZ>(wg, nb, x, acc);
   } else if (kind == kQ8S) {
@@ -1422,7 +1426,7 @@ void run_group(int64_t kind, const uint8_t* const* wg, int64_t np, int64_t nb,
     return;
   }
 #ifdef CONVOY_ZMM
-  if (zmm_kind(kind) && zmm_tiles()) {
+  if (zmm_tiles()) {
     switch (cnt) {
       case 4: panel_z<4>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
       case 3: panel_z<3>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
@@ -1492,7 +1496,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
     // ran slower than one (Gemma's head at M=1: 9.8 vs 5.9 ms; SmolLM2's decode step at B=1-4
     // 20-50% slower); with many rows the kernel is compute-bound and sharing each broadcast
     // pays. The results are the same bits either way.
-    const bool many = m1 - m0 >= kPairMinRows;
+    const bool many = m1 - m0 >= pair_min_rows();
     const int64_t step = many ? kP : 1;
     // panels g0..g1 (all of kind `kind`) of rows m0..m1 -> dst (ld floats a row), whose first
     // column is column col0
@@ -1703,7 +1707,7 @@ void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, 
   const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
   int64_t most = 0;
   for (size_t e = 0; e + 1 < start.size(); ++e) most = std::max(most, start[e + 1] - start[e]);
-  const bool many = most >= kPairMinRows;
+  const bool many = most >= pair_min_rows();
   const std::vector<std::vector<Segment>> chunks =
       expert_chunks(start, Gp, many ? nt * kChunksPerThread : nt);
   const int64_t nchunks = static_cast<int64_t>(chunks.size());
@@ -1714,7 +1718,7 @@ void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, 
     const int64_t r0 = start[sg.e], n = start[sg.e + 1] - r0;
     for (int64_t m0 = 0; m0 < n; m0 += kTileM) {
       const int64_t m1 = std::min(n, m0 + kTileM);
-      const int64_t step = m1 - m0 >= kPairMinRows ? kP : 1;
+      const int64_t step = m1 - m0 >= pair_min_rows() ? kP : 1;
       for (int64_t g = sg.g0; g < sg.g1; g += step) {
         const int64_t np = std::min(step, sg.g1 - g);
         const int64_t lanes = std::min<int64_t>(R * np, N - g * R);
