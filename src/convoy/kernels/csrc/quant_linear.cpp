@@ -927,6 +927,16 @@ struct VZ {
 };
 #endif
 
+// The accumulator of a block's second half (or high nibbles): 1, a chain of its own, or 0, one
+// chain with the first where the halves' sums are added anyway (`summed`) and the tile is zmm:
+// VZ's tile has 8 chains a row set and one chain was 3-5% faster there (3B Q4_K_M layers, zmm_ab
+// three runs each: 1.17-1.21x / 1.27-1.31x the ymm tiles at 16 / 64 rows, two chains
+// 1.16-1.18x / 1.18-1.24x). Integer sums are exact: the same bits either way.
+template <typename V>
+constexpr int one_chain(bool summed) {
+  return V::kPanels == 2 && summed ? 0 : 1;
+}
+
 // NOTE: each activation row keeps two integer accumulators per panel (low and high nibbles, or the
 // two 16-weight halves), summed after the block: dpbusd has a latency of several cycles, and one
 // chain per row left the kernel latency-bound. Integer sums are exact, so the split changes no
@@ -939,6 +949,7 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
   using I = typename V::I;
   using F = typename V::F;
   constexpr int NP = P * V::kPanels;  // panels: P vectors of them
+  constexpr int H1 = one_chain<V>(!TWO);  // the high nibbles' accumulator
   constexpr int64_t bsz = SB ? 128 : TWO ? 192 : 160;
   constexpr int64_t stride = SB ? bsz + kSbHeader / kSuperBlocks : bsz;  // on average
   const I low = V::bytes(0x0F);
@@ -974,7 +985,7 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
         for (int p = 0; p < P; ++p) {
 #ifdef CONVOY_VNNI
           isum[p][0][i] = V::dot(isum[p][0][i], lo[p], xl);
-          isum[p][1][i] = V::dot(isum[p][1][i], hi[p], xh);
+          isum[p][H1][i] = V::dot(isum[p][H1][i], hi[p], xh);
 #else  // |pair sums| <= 2 * 15 * 127: eight of them fit int16
           isum[p][0][i] =
               _mm256_add_epi16(isum[p][0][i], _mm256_maddubs_epi16(lo[p], bcast4(xl)));
@@ -1019,7 +1030,7 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
       }
       for (int i = 0; i < MR; ++i) {
 #ifdef CONVOY_VNNI
-        const I dot = V::add32(isum[p][0][i], isum[p][1][i]);
+        const I dot = H1 == 0 ? isum[p][0][i] : V::add32(isum[p][0][i], isum[p][1][i]);
 #else
         const __m256i dot = _mm256_madd_epi16(isum[p][0][i], ones);
 #endif
@@ -1045,6 +1056,7 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
   using I = typename V::I;
   using F = typename V::F;
   constexpr int NP = P * V::kPanels;  // panels: P vectors of them
+  constexpr int H1 = one_chain<V>(SINGLE);  // the second half's accumulator
   constexpr int64_t bsz = LUT ? 144 : SINGLE ? 272 : HAS_M ? 304 : 288;
   constexpr int64_t soff = LUT ? 128 : 256;  // the scales' offset in a block
   const I low = V::bytes(0x0F);
@@ -1086,7 +1098,7 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
           const int8_t* xb = x[i][b].q + 4 * kk;
           for (int p = 0; p < P; ++p) {
 #ifdef CONVOY_VNNI
-            isum[p][h][i] = V::dot(isum[p][h][i], w[p], xb);
+            isum[p][h * H1][i] = V::dot(isum[p][h * H1][i], w[p], xb);
 #else  // maddubs takes u8 x s8: |w| times x with w's sign
             const __m256i prod =
                 _mm256_maddubs_epi16(_mm256_abs_epi8(w[p]), _mm256_sign_epi8(bcast4(xb), w[p]));
@@ -1100,7 +1112,9 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
       for (int h = 0; h < (SINGLE ? 1 : 2); ++h) {
         const F d = V::half8(at, p, soff + 16 * h);
         for (int i = 0; i < MR; ++i) {
-          I dot = SINGLE ? V::add32(isum[p][0][i], isum[p][1][i]) : isum[p][h][i];
+          I dot = !SINGLE ? isum[p][h][i]
+                  : H1 == 0 ? isum[p][0][i]
+                            : V::add32(isum[p][0][i], isum[p][1][i]);
 #ifdef CONVOY_VNNI
           const int32_t xs = SINGLE ? x[i][b].sa + x[i][b].sb : h == 0 ? x[i][b].sa : x[i][b].sb;
           dot = V::sub32(dot, 128 * xs);
@@ -1127,6 +1141,7 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
   using I = typename V::I;
   using F = typename V::F;
   constexpr int NP = P * V::kPanels;  // panels: P vectors of them
+  constexpr int H1 = one_chain<V>(KIND == kQ5);  // the second half's accumulator
   constexpr int64_t bsz = (KIND == kQ5 ? 192 : KIND == kQ6 ? 224 : 128) - (SB ? 32 : 0);
   constexpr int64_t soff = bsz - 32;  // the fp16 scales (not SB)
   constexpr int64_t stride = SB ? bsz + kSbHeader / kSuperBlocks : bsz;  // on average
@@ -1190,7 +1205,7 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
         for (int p = 0; p < P; ++p)
           for (int h = 0; h < 2; ++h) {
 #ifdef CONVOY_VNNI
-            isum[p][h][i] = V::dot(isum[p][h][i], w[p][h], xs[h]);
+            isum[p][h * H1][i] = V::dot(isum[p][h * H1][i], w[p][h], xs[h]);
 #else  // AVX2 keeps int16 pair sums while they fit, and widens every load for kQ6
             const __m256i prod = _mm256_maddubs_epi16(w[p][h], bcast4(xs[h]));
             isum[p][h][i] = wide ? _mm256_add_epi32(isum[p][h][i], _mm256_madd_epi16(prod, ones))
@@ -1229,7 +1244,8 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
         }
         const F dx = V::set1(x[i][b].d);
         if constexpr (KIND == kQ5) {
-          acc[p][i] = V::fmadd(V::mul(sc[0], dx), V::cvt(V::add32(dot[0], dot[1])), acc[p][i]);
+          const I sum = H1 == 0 ? dot[0] : V::add32(dot[0], dot[1]);
+          acc[p][i] = V::fmadd(V::mul(sc[0], dx), V::cvt(sum), acc[p][i]);
           if constexpr (SB) {
             acc[p][i] = V::fnmadd(sc[1], V::set1(x[i][b].s), acc[p][i]);
           } else {
