@@ -937,10 +937,11 @@ constexpr int one_chain(bool summed) {
   return V::kPanels == 2 && summed ? 0 : 1;
 }
 
-// NOTE: each activation row keeps two integer accumulators per panel (low and high nibbles, or the
-// two 16-weight halves), summed after the block: dpbusd has a latency of several cycles, and one
-// chain per row left the kernel latency-bound. Integer sums are exact, so the split changes no
-// result. P panels (2 with VNNI's 32 registers) share each broadcast of the activations.
+// NOTE: each activation row keeps two integer accumulators per vector (low and high nibbles, or
+// the two 16-weight halves), summed after the block: dpbusd has a latency of several cycles, and
+// one chain per row left the ymm kernel latency-bound (zmm tiles: one_chain above). Integer sums
+// are exact, so the split changes no result. P vectors of panels (2 with VNNI's 32 registers)
+// share each broadcast of the activations.
 // TWO (kQ4D): each half has its own scale and offset, so the halves' sums stay apart.
 template <int MR, int P, bool TWO, bool SB = false, typename V = VY>
 void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x,
