@@ -1264,6 +1264,37 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
   }
 }
 
+// P vectors of panels x MR activation rows, over all nb blocks, into acc: the kind's kernel
+template <int MR, int P, typename V>
+void panel_kernel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
+                  typename V::F (*acc)[MR], const float* const* fs) {
+  if (kind == kQ4) {
+    panel_q4<MR, P, false, false, V>(wg, nb, x, acc);
+  } else if (kind == kQ4K) {
+    panel_q4<MR, P, false, true, V>(wg, nb, x, acc, fs);
+  } else if (kind == kQ5K) {
+    panel_bits<MR, P, kQ5, true, V>(wg, nb, x, acc, fs);
+  } else if (kind == kQ6K) {
+    panel_bits<MR, P, kQ6, true, V>(wg, nb, x, acc, fs);
+  } else if (kind == kQ4D) {
+    panel_q4<MR, P, true, false, V>(wg, nb, x, acc);
+  } else if (kind == kQ5) {
+    panel_bits<MR, P, kQ5, false, V>(wg, nb, x, acc);
+  } else if (kind == kQ6) {
+    panel_bits<MR, P, kQ6, false, V>(wg, nb, x, acc);
+  } else if (kind == kQ3) {
+    panel_bits<MR, P, kQ3, false, V>(wg, nb, x, acc);
+  } else if (kind == kI4) {
+    panel_q8<MR, P, false, true, true, V>(wg, nb, x, acc);
+  } else if (kind == kQ8S) {
+    panel_q8<MR, P, false, true, false, V>(wg, nb, x, acc);
+  } else if (kind == kQ8) {
+    panel_q8<MR, P, false, false, false, V>(wg, nb, x, acc);
+  } else {
+    panel_q8<MR, P, true, false, false, V>(wg, nb, x, acc);
+  }
+}
+
 // P panels (8 * P weight rows, `lanes` of them real) x MR activation rows -> out (MR, ldo)
 template <int MR, int P>
 void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
@@ -1271,31 +1302,7 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
   __m256 acc[P][MR];
   for (int p = 0; p < P; ++p)
     for (int i = 0; i < MR; ++i) acc[p][i] = _mm256_setzero_ps();
-  if (kind == kQ4) {
-    panel_q4<MR, P, false>(wg, nb, x, acc);
-  } else if (kind == kQ4K) {
-    panel_q4<MR, P, false, true>(wg, nb, x, acc, fs);
-  } else if (kind == kQ5K) {
-    panel_bits<MR, P, kQ5, true>(wg, nb, x, acc, fs);
-  } else if (kind == kQ6K) {
-    panel_bits<MR, P, kQ6, true>(wg, nb, x, acc, fs);
-  } else if (kind == kQ4D) {
-    panel_q4<MR, P, true>(wg, nb, x, acc);
-  } else if (kind == kQ5) {
-    panel_bits<MR, P, kQ5>(wg, nb, x, acc);
-  } else if (kind == kQ6) {
-    panel_bits<MR, P, kQ6>(wg, nb, x, acc);
-  } else if (kind == kQ3) {
-    panel_bits<MR, P, kQ3>(wg, nb, x, acc);
-  } else if (kind == kI4) {
-    panel_q8<MR, P, false, true, true>(wg, nb, x, acc);
-  } else if (kind == kQ8S) {
-    panel_q8<MR, P, false, true>(wg, nb, x, acc);
-  } else if (kind == kQ8) {
-    panel_q8<MR, P, false, false>(wg, nb, x, acc);
-  } else {
-    panel_q8<MR, P, true, false>(wg, nb, x, acc);
-  }
+  panel_kernel<MR, P, VY>(kind, wg, nb, x, acc, fs);
   for (int p = 0; p < P; ++p)
     for (int i = 0; i < MR; ++i) {
       const int64_t n = std::min<int64_t>(R, lanes - p * R);
@@ -1349,13 +1356,18 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
 // AVX2 EPYC). With zmm tiles 16 rows are already bound by instructions (2-core Xeon with AVX-512
 // VNNI, in one process: a 3B Q4_K_M layer at 16 rows 195 GMAC/s in zmm tiles, 152-155 one panel
 // at a time; Gemma's head at 16 rows 16.9-17.4 ms either way). CONVOY_CPU_ZMM=0 keeps 32.
-constexpr int64_t kPairMinRows = 32;
+constexpr int64_t kPairMinRows = 32, kZmmMinRows = 16;
+inline int64_t pair_min_rows(bool zmm) { return zmm ? kZmmMinRows : kPairMinRows; }
+
+// Whether zmm tiles run (VZ); CONVOY_CPU_ZMM=0 says no, for an A/B in one process (read once a
+// call of a linear or an experts' pass: the results are the same bits either way)
 #ifdef CONVOY_ZMM
-bool zmm_tiles();
-constexpr int64_t kZmmMinRows = 16;
-inline int64_t pair_min_rows() { return zmm_tiles() ? kZmmMinRows : kPairMinRows; }
+bool zmm_tiles() {
+  const char* off = std::getenv("CONVOY_CPU_ZMM");
+  return !(off && off[0] == '0');
+}
 #else
-inline int64_t pair_min_rows() { return kPairMinRows; }
+constexpr bool zmm_tiles() { return false; }
 #endif
 constexpr int64_t kChunksPerThread = 8;  // of a compute-bound linear's panels
 constexpr int64_t kStagePanels = 32;     // staged outputs: 64 rows x 256 columns, 64 KB
@@ -1380,13 +1392,6 @@ void run_tile(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock
 }
 
 #ifdef CONVOY_ZMM
-// Whether zmm tiles run (VZ); CONVOY_CPU_ZMM=0 says no, for an A/B in one process (read at each
-// call: the results are the same bits either way)
-bool zmm_tiles() {
-  const char* off = std::getenv("CONVOY_CPU_ZMM");
-  return !(off && off[0] == '0');
-}
-
 // 4 panels (two zmm of 16 rows, `lanes` of 32 real) x MR activation rows -> out (MR, ldo)
 template <int MR>
 void panel_z(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
@@ -1394,31 +1399,7 @@ void panel_z(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock*
   __m512 acc[2][MR];
   for (int v = 0; v < 2; ++v)
     for (int i = 0; i < MR; ++i) acc[v][i] = _mm512_setzero_ps();
-  if (kind == kQ4) {
-    panel_q4<MR, 2, false, false, VZ>(wg, nb, x, acc);
-  } else if (kind == kQ4K) {
-    panel_q4<MR, 2, false, true, VZ>(wg, nb, x, acc, fs);
-  } else if (kind == kQ5K) {
-    panel_bits<MR, 2, kQ5, true, VZ>(wg, nb, x, acc, fs);
-  } else if (kind == kQ6K) {
-    panel_bits<MR, 2, kQ6, true, VZ>(wg, nb, x, acc, fs);
-  } else if (kind == kQ5) {
-    panel_bits<MR, 2, kQ5, false, VZ>(wg, nb, x, acc);
-  } else if (kind == kQ6) {
-    panel_bits<MR, 2, kQ6, false, VZ>(wg, nb, x, acc);
-  } else if (kind == kQ3) {
-    panel_bits<MR, 2, kQ3, false, VZ>(wg, nb, x, acc);
-  } else if (kind == kQ4D) {
-    panel_q4<MR, 2, true, false, VZ>(wg, nb, x, acc);
-  } else if (kind == kI4) {
-    panel_q8<MR, 2, false, true, true, VZ>(wg, nb, x, acc);
-  } else if (kind == kQ8S) {
-    panel_q8<MR, 2, false, true, false, VZ>(wg, nb, x, acc);
-  } else if (kind == kQ8) {
-    panel_q8<MR, 2, false, false, false, VZ>(wg, nb, x, acc);
-  } else {
-    panel_q8<MR, 2, true, false, false, VZ>(wg, nb, x, acc);
-  }
+  panel_kernel<MR, 2, VZ>(kind, wg, nb, x, acc, fs);
   for (int v = 0; v < 2; ++v) {
     const int64_t n = std::min<int64_t>(2 * R, lanes - v * 2 * R);
     if (n <= 0) continue;
@@ -1428,10 +1409,11 @@ void panel_z(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock*
 }
 #endif
 
-// np (1..kP) panels x cnt activation rows -> o; `lanes` of the panels' rows are real
+// np (1..kP) panels x cnt activation rows -> o; `lanes` of the panels' rows are real; zmm: a
+// full group runs VZ tiles (zmm_tiles())
 void run_group(int64_t kind, const uint8_t* const* wg, int64_t np, int64_t nb,
                const ActBlock* const* rows, int64_t cnt, float* o, int64_t ldo, int64_t lanes,
-               const float* const* fs = nullptr) {
+               bool zmm, const float* const* fs = nullptr) {
   if (np < kP) {  // the end of a range: pairs, then single panels
     int64_t p = 0;
 #ifdef CONVOY_VNNI
@@ -1443,7 +1425,7 @@ void run_group(int64_t kind, const uint8_t* const* wg, int64_t np, int64_t nb,
     return;
   }
 #ifdef CONVOY_ZMM
-  if (zmm_tiles()) {
+  if (zmm) {
     switch (cnt) {
       case 4: panel_z<4>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
       case 3: panel_z<3>(kind, wg, nb, rows, o, ldo, lanes, fs); break;
@@ -1457,6 +1439,7 @@ void run_group(int64_t kind, const uint8_t* const* wg, int64_t np, int64_t nb,
       run_tile<2>(kind, wg + 2 * h, nb, rows, cnt, o + h * 2 * R, ldo, lanes - h * 2 * R,
                   fs ? fs + 2 * h : nullptr);
 #else
+  (void)zmm;
   run_tile<kP>(kind, wg, nb, rows, cnt, o, ldo, lanes, fs);
 #endif
 }
@@ -1506,6 +1489,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
     for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, xq.data() + m * nb, nb);
   });
   float* op = out.data_ptr<float>();
+  const bool zmm = zmm_tiles();
   for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
     const int64_t m1 = std::min(M, m0 + kTileM);
     // Two panels at once read two streams of weights. With few activation rows the weights
@@ -1513,7 +1497,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
     // ran slower than one (Gemma's head at M=1: 9.8 vs 5.9 ms; SmolLM2's decode step at B=1-4
     // 20-50% slower); with many rows the kernel is compute-bound and sharing each broadcast
     // pays. The results are the same bits either way.
-    const bool many = m1 - m0 >= pair_min_rows();
+    const bool many = m1 - m0 >= pair_min_rows(zmm);
     const int64_t step = many ? kP : 1;
     // panels g0..g1 (all of kind `kind`) of rows m0..m1 -> dst (ld floats a row), whose first
     // column is column col0
@@ -1539,7 +1523,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
           const int64_t cnt = std::min(kMR, m1 - mi);
           for (int64_t i = 0; i < cnt; ++i) rows[i] = xq.data() + (mi + i) * nb;
           float* o = dst + (mi - m0) * ld + g * R - col0;
-          run_group(kind, wg, np, nb, rows, cnt, o, ld, lanes, fs[0] ? fs : nullptr);
+          run_group(kind, wg, np, nb, rows, cnt, o, ld, lanes, zmm, fs[0] ? fs : nullptr);
         }
       }
     };
@@ -1722,9 +1706,10 @@ void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, 
                   int64_t N, const std::vector<int64_t>& start, const RowBlocks& row_blocks,
                   float* out) {
   const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  const bool zmm = zmm_tiles();
   int64_t most = 0;
   for (size_t e = 0; e + 1 < start.size(); ++e) most = std::max(most, start[e + 1] - start[e]);
-  const bool many = most >= pair_min_rows();
+  const bool many = most >= pair_min_rows(zmm);
   const std::vector<std::vector<Segment>> chunks =
       expert_chunks(start, Gp, many ? nt * kChunksPerThread : nt);
   const int64_t nchunks = static_cast<int64_t>(chunks.size());
@@ -1735,7 +1720,7 @@ void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, 
     const int64_t r0 = start[sg.e], n = start[sg.e + 1] - r0;
     for (int64_t m0 = 0; m0 < n; m0 += kTileM) {
       const int64_t m1 = std::min(n, m0 + kTileM);
-      const int64_t step = m1 - m0 >= pair_min_rows() ? kP : 1;
+      const int64_t step = m1 - m0 >= pair_min_rows(zmm) ? kP : 1;
       for (int64_t g = sg.g0; g < sg.g1; g += step) {
         const int64_t np = std::min(step, sg.g1 - g);
         const int64_t lanes = std::min<int64_t>(R * np, N - g * R);
@@ -1744,7 +1729,7 @@ void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, 
           const int64_t cnt = std::min(kMR, m1 - mi);
           for (int64_t i = 0; i < cnt; ++i) rows[i] = row_blocks(r0 + mi + i);
           float* o = out + (r0 + mi) * N + g * R;
-          run_group(kind, wg, np, nb, rows, cnt, o, N, lanes);
+          run_group(kind, wg, np, nb, rows, cnt, o, N, lanes, zmm);
         }
       }
     }
