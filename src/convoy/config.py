@@ -199,6 +199,13 @@ class SchedulerConfig(_Config):
         " streams (150 measured: TTFT beside 256 fp32 streams 4.8x idle instead of 11-15x;"
         " 0.89-0.95x the tokens a second at 64 streams of a 1B file)",
     )
+    side_step_ms: float = setting(
+        100.0,
+        "a new request that finds a step in flight with at least this long left (extrapolated"
+        " from its layers so far) runs its prompt in a side step between two of that step's"
+        " layers, one a step, if the whole prompt fits a step and free KV blocks; so its first"
+        " token does not wait for the step (0: off; the server only)",
+    )
     batch_max_seqs: int = setting(
         64,
         "most Batch API sequences in one step, interactive traffic or not: it bounds the step"
@@ -247,6 +254,8 @@ class SchedulerConfig(_Config):
             raise ConfigError(
                 f"step_target_ms must be a finite number >= 0, got {self.step_target_ms}"
             )
+        if not 0 <= self.side_step_ms < math.inf:
+            raise ConfigError(f"side_step_ms must be a finite number >= 0, got {self.side_step_ms}")
         if not 0 <= self.batch_grace < math.inf:
             raise ConfigError(f"batch_grace must be a finite number >= 0, got {self.batch_grace}")
 

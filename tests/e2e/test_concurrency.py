@@ -12,6 +12,7 @@ from tests.e2e.helpers import MAX_TOKENS, MODEL, PROMPTS, complete
 
 KV_USED = "convoy_kv_blocks_used"
 IN_FLIGHT = "convoy_engine_requests_in_flight"
+SIDE_STEPS = "convoy_side_steps_total"
 
 
 async def test_16_concurrent_clients_get_the_sequential_results(
@@ -27,6 +28,40 @@ async def test_16_concurrent_clients_get_the_sequential_results(
 
     concurrent = await asyncio.gather(*(one(p) for p in PROMPTS))
     assert list(concurrent) == sequential
+
+
+async def test_a_request_that_finds_a_step_in_flight_gets_its_tokens_in_a_side_step(
+    server: Server, client: OpenAI, aclient: AsyncOpenAI
+) -> None:
+    """The session server takes a side step for any newcomer that finds a step in flight
+    (--side-step-ms): its prompt runs between two layers of the streams' step, and its greedy
+    text is the text it gets alone."""
+    alone = [complete(client, p).choices[0].text for p in PROMPTS]
+    before = server.metric(SIDE_STEPS)
+
+    async def stream(prompt: str) -> int:
+        chunks = await aclient.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=96, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return len([c async for c in chunks])
+
+    streams = [asyncio.ensure_future(stream(p)) for p in PROMPTS[:8]]
+    while server.metric(IN_FLIGHT) < 8:
+        assert not any(s.done() for s in streams)  # (an error there would end one at once)
+        await asyncio.sleep(0.01)
+    texts = []
+    for prompt in PROMPTS * 2:  # until two took side steps (one coming between steps doesn't)
+        if server.metric(SIDE_STEPS) >= before + 2 or all(s.done() for s in streams):
+            break
+        completion = await aclient.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS
+        )
+        texts.append(completion.choices[0].text)
+    assert server.metric(SIDE_STEPS) > before
+    assert texts == (alone * 2)[: len(texts)]
+    assert all(n > 0 for n in await asyncio.gather(*streams))
+    server.wait_for_metric(KV_USED, 0)
 
 
 def _long_request(prompts: list[str], stream: bool) -> dict[str, object]:

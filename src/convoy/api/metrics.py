@@ -82,6 +82,11 @@ class _EngineCollector(Collector):
         )
         yield _counter("convoy_preemptions", "Sequences preempted.", s.num_preemptions)
         yield _counter(
+            "convoy_side_steps",
+            "Steps of new requests' prompts run between two layers of a longer step.",
+            s.num_side_steps,
+        )
+        yield _counter(
             "convoy_prefix_cache_hit_tokens",
             "Prompt tokens served from the prefix cache.",
             s.num_prefix_cache_hit_tokens,

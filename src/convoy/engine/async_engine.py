@@ -6,7 +6,9 @@
 
 The step loop runs in a thread (torch releases the GIL while it computes), so the event loop keeps
 serving HTTP. Every call into the frontend and the core happens on that thread: `generate` and
-`abort` only hand work over under a lock.
+`abort` only hand work over under a lock. Inside a long step the same thread may take new
+interactive requests over and run them in a side step between two layers (EngineCore,
+`--side-step-ms`); aborts wait for the step's end.
 
 Failures end requests, never hang them: a failed step ends the requests it ran with
 EngineStepError and the loop goes on; if the thread dies (anything escaping the loop) every
@@ -25,7 +27,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from convoy.config import EngineConfig
-from convoy.engine.core import EngineCore
+from convoy.engine.core import EngineCore, SideSteps
 from convoy.engine.errors import (
     EngineDeadError,
     EngineError,
@@ -33,7 +35,7 @@ from convoy.engine.errors import (
     EngineStepError,
 )
 from convoy.engine.frontend import EngineFrontend
-from convoy.engine.request import EngineRequest
+from convoy.engine.request import EngineRequest, Priority
 from convoy.engine.stats import EngineStats
 from convoy.outputs import RequestOutput
 
@@ -179,6 +181,7 @@ class AsyncEngine:
             self.core = EngineCore(config)
             self.frontend = EngineFrontend(self.core)
             self.core.grammars.load()  # now, not in a request: building it holds the GIL
+            self.core.side_steps = SideSteps(self._newcomers_waiting, self._side_step)
         except BaseException as e:  # noqa: BLE001 - re-raised in the constructing thread
             failure.append(e)
             return
@@ -227,9 +230,33 @@ class AsyncEngine:
             self.frontend.abort(request.request_id, emit=False)  # what of it was queued
             self._fail([request.request_id], _step_failed)
 
-    def _step(self) -> None:
+    def _newcomers_waiting(self) -> bool:
+        """Between two layers of a step: has an interactive request arrived?"""
+        with self._lock:
+            return any(r.priority == Priority.INTERACTIVE for r, _ in self._pending)
+
+    def _side_step(self) -> None:
+        """Between two layers of a step: take the new requests over and run a side step for
+        them (EngineCore). Its failures end its requests only; the step in flight goes on."""
+        with self._wakeup:
+            pending, self._pending = self._pending, []
+        for request, queue in pending:
+            self._add(request, queue)
         try:
-            self.frontend.step()
+            self._step(side=True)
+        except Exception:  # noqa: BLE001 - outside the model run: end the newcomers only
+            logger.exception("side step failed; ending its new request(s)")
+            request_ids = [request.request_id for request, _ in pending]
+            for request_id in request_ids:
+                self.frontend.abort(request_id, emit=False)
+            self._fail(request_ids, _step_failed)
+
+    def _step(self, side: bool = False) -> None:
+        try:
+            if side:
+                self.frontend.side_step()
+            else:
+                self.frontend.step()
         except EngineStepError as e:  # the frontend has ended those requests already
             if e.errors:  # constraints that failed: the clients' errors, not the engine's
                 logger.warning("ending %d request(s): %s", len(e.request_ids), e)
@@ -243,6 +270,8 @@ class AsyncEngine:
                     make_error = functools.partial(e.errors.__getitem__, request_id)
                 self._fail([request_id], make_error)
         except Exception:  # noqa: BLE001 - outside the model run: end everything in flight
+            if side:
+                raise  # (_side_step: the newcomers only)
             logger.exception("engine step failed; ending every request in flight")
             request_ids = list(self.frontend.parents)
             self.frontend.abort_all(emit=False)

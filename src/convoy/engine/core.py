@@ -3,13 +3,22 @@
 It knows nothing of prompts with several samples (the front end's ParentRequest), of threads or
 of HTTP: add a sequence, abort sequences, step. A step that fails raises EngineStepError naming
 the prompts it ran; the caller ends those (their sequences are left for it to abort).
+
+Side steps: a server that can tell when new requests arrive (`SideSteps`, the AsyncEngine) lets
+a newcomer that finds a long step in flight run its prompt in a step of its own between two of
+that step's layers (`--side-step-ms`), so its first token does not wait for hundreds of rows it
+has no part in. The step in flight is untouched: its sequences keep their blocks and tensors, the
+side step's sequences are new ones in free slots and free blocks (`Scheduler.schedule_side`),
+and each row computes what it would in any step (batch invariance).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,6 +39,17 @@ from convoy.worker.batch import SamplerRow
 from convoy.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SideSteps:
+    """What a server gives the core for side steps (module docstring)."""
+
+    # are interactive requests waiting to be added? Called between layers: must be cheap
+    waiting: Callable[[], bool]
+    # add them and run `side_step` through the frontend, reporting its failures to their
+    # clients; must not raise (the step in flight would fail with it)
+    run: Callable[[], None]
 
 
 class EngineCore:
@@ -63,6 +83,12 @@ class EngineCore:
             config.pooling if config.pooling != "auto" else model_cfg.pooling_type or "last"
         )
         self._faults = FaultInjector.from_env()  # None unless a test asks for faults
+        self.side_steps: SideSteps | None = None  # the server sets it (module docstring)
+        self.side_step_s = config.scheduler.side_step_ms / 1e3
+        self.num_side_steps = 0
+        self._step_start = 0.0
+        self._side_seconds = 0.0  # spent in this step's side step
+        self._side_ran = False
         # NOTE: other threads (the server's /metrics) read this snapshot, refreshed on the engine
         # thread after each step and abort, and never the scheduler's live dicts.
         self.last_stats = self.stats()
@@ -87,25 +113,66 @@ class EngineCore:
     def step(self) -> list[SeqDelta]:
         """Run one step; returns what every sequence that sampled (or finished) gained in it."""
         sched = self.scheduler.schedule()
-        try:
+        with self._failing(sched):
             if self._faults is not None:
                 self._faults.check()
             self._constrain(sched)
-            start = time.perf_counter()
-            runner_out = self.worker.execute(sched.seqs)
+            hook = None
+            if self.side_steps is not None and self.side_step_s > 0:
+                hook = self._between_layers
+            self._side_ran, self._side_seconds = False, 0.0
+            start = self._step_start = time.perf_counter()
+            runner_out = self.worker.execute(sched.seqs, hook)
             # what a step costs by rows (step sizes, drafts): decode rows and verifications
-            # only, not prefills
+            # only, not prefills, nor a side step run inside it
             if all(seq.draft or len(seq.token_ids) == 1 for seq in sched.seqs):
-                seconds = time.perf_counter() - start
+                seconds = time.perf_counter() - start - self._side_seconds
                 rows = sum(len(seq.token_ids) for seq in sched.seqs)
                 self.scheduler.step_costs.record(rows, seconds)
                 tokens = sum(map(len, runner_out.sampled_token_ids.values()))
                 drafted = rows > len(sched.seqs)
                 self.scheduler.drafts.draft_gate.record(len(sched.seqs), drafted, tokens, seconds)
             deltas = self._process_outputs(self.scheduler.update_from_output(sched, runner_out))
+        self.last_stats = self.stats()
+        return deltas
+
+    @contextlib.contextmanager
+    def _failing(self, sched: SchedulerOutput) -> Iterator[None]:
+        """A step's failure as EngineStepError naming the prompts it ran."""
+        try:
+            yield
         except Exception as e:
             failed = frozenset(req.parent_id or req.req_id for req, _ in sched.scheduled)
             raise EngineStepError("the engine failed while running this request", failed) from e
+
+    def _between_layers(self, done: int, total: int) -> None:
+        """Inside a step's forward: run a side step now if interactive newcomers wait and what
+        is left of this step, extrapolated from its layers so far, is at least --side-step-ms.
+        One side step a step at most, so a step in flight is delayed by one at most."""
+        side = self.side_steps
+        if self._side_ran or side is None or not side.waiting():
+            return
+        elapsed = time.perf_counter() - self._step_start
+        if elapsed * (total - done) / done < self.side_step_s:
+            return
+        self._side_ran = True
+        start = time.perf_counter()
+        side.run()
+        self._side_seconds += time.perf_counter() - start
+
+    def side_step(self) -> list[SeqDelta]:
+        """A side step (module docstring): the waiting interactive prompts that fit, run by
+        themselves; returns their deltas. Called from `_between_layers` only, via the server."""
+        sched = self.scheduler.schedule_side()
+        if not sched.scheduled:
+            return []
+        self.num_side_steps += 1
+        with self._failing(sched):
+            if self._faults is not None:
+                self._faults.check(side=True)
+            self._constrain(sched)
+            runner_out = self.worker.execute(sched.seqs)
+            deltas = self._process_outputs(self.scheduler.update_from_output(sched, runner_out))
         self.last_stats = self.stats()
         return deltas
 
@@ -157,6 +224,7 @@ class EngineCore:
             num_prefix_cache_hit_tokens=self.block_manager.num_hit_tokens,
             num_draft_tokens=s.drafts.num_draft_tokens,
             num_accepted_draft_tokens=s.drafts.num_accepted_draft_tokens,
+            num_side_steps=self.num_side_steps,
         )
 
     def _eos_ids(self, extra_stop_tokens: tuple[str, ...]) -> frozenset[int]:

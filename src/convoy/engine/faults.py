@@ -4,6 +4,7 @@ Off unless `CONVOY_FAULT_FILE` names a file path when the engine starts; then, b
 each step, the engine reads that file (if present), deletes it and obeys the command in it:
 
     step   the next step fails as if the model had raised (the requests it ran get an error)
+    side   the next side step fails so (EngineCore's side steps; ordinary steps leave it be)
     kill   the engine thread dies (a BaseException, as a fatal bug would)
 
 A file and not a flag so that a test can trigger a fault in a running server process at the
@@ -37,18 +38,21 @@ class FaultInjector:
         path = os.environ.get(ENV_VAR)
         return cls(Path(path)) if path else None
 
-    def check(self) -> None:
-        """Raise the fault the file asks for, once (the file is consumed)."""
+    def check(self, side: bool = False) -> None:
+        """Raise the fault the file asks for, once (the file is consumed); `side`: the check of
+        a side step, the only one that obeys (and consumes) `side`."""
         try:
             command = self.path.read_text().strip()
         except FileNotFoundError:
             return
+        if side != (command == "side"):
+            return  # a side step obeys "side" only, and an ordinary step leaves it be
         self.path.unlink(missing_ok=True)
         if command == "kill":
             raise InjectedKill("engine thread killed by the fault hook")
-        if command == "step":
-            raise InjectedFault("engine step failed by the fault hook")
-        raise ValueError(f"{self.path}: unknown fault command {command!r} (step, kill)")
+        if command in ("step", "side"):
+            raise InjectedFault(f"engine {command} step failed by the fault hook")
+        raise ValueError(f"{self.path}: unknown fault command {command!r} (step, side, kill)")
 
 
 def request_fault(path: Path, command: str) -> None:

@@ -122,8 +122,16 @@ class EngineFrontend:
         So does a sequence whose constraint failed (its matcher hit a limit): its prompt ends
         (every child), the error (StructuredOutputsError) in EngineStepError.errors.
         """
+        self._run(self.core.step)
+
+    def side_step(self) -> None:
+        """A side step (EngineCore.side_step), inside a step in flight; errors as `step`'s,
+        naming only the side step's prompts."""
+        self._run(self.core.side_step)
+
+    def _run(self, run: Callable[[], list[SeqDelta]]) -> None:
         try:
-            deltas = self.core.step()
+            deltas = run()
         except EngineStepError as e:
             for request_id in e.request_ids:
                 self.abort(request_id, emit=False)

@@ -150,6 +150,20 @@ class Scheduler:
         out.seqs = [scheduled_seq(req, num_new) for req, num_new in out.scheduled]
         return out
 
+    def schedule_side(self) -> SchedulerOutput:
+        """A side step: interactive newcomers' whole prompts (at most the step's token budget),
+        to run between two layers of a step in flight (EngineCore.step). Nothing of that step
+        may change, so nothing is preempted, paused or drafted: a newcomer is admitted only
+        into free sequence slots and free blocks, only if its whole prompt fits (it samples
+        its first token in the side step), and never onto a prompt block still pending."""
+        out = SchedulerOutput()
+        if self.interactive.waiting:
+            self._schedule_waiting(
+                out, self.interactive, self.max_num_batched_tokens, self.max_num_seqs, side=True
+            )
+        out.seqs = [scheduled_seq(req, num_new) for req, num_new in out.scheduled]
+        return out
+
     def update_from_output(
         self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[Request]:
@@ -315,10 +329,10 @@ class Scheduler:
         return (self.batch.running or self.interactive.running)[-1]
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, q: SeqQueues, budget: int, max_new: int
+        self, out: SchedulerOutput, q: SeqQueues, budget: int, max_new: int, side: bool = False
     ) -> int:
         """Admit up to `max_new` of q's waiting sequences, fewest-running group first; returns
-        the tokens left."""
+        the tokens left. `side` (schedule_side): whole prompts only, in free slots and blocks."""
         held_back: set[str] = set()
         while budget > 0 and max_new > 0:
             group = q.next_group(held_back)
@@ -329,10 +343,17 @@ class Scheduler:
             if self.bm.is_prefix_pending(req, len(cached)):
                 held_back.add(group)  # reuse that block next step instead of computing it twice
                 continue
-            if self.num_running >= self.max_num_seqs and not self._make_room(q, group, out):
+            at_cap = self.num_running >= self.max_num_seqs
+            if at_cap and (side or not self._make_room(q, group, out)):
                 break
             num_new = min(req.num_tokens - len(cached) * self.bm.block_size, budget)
-            if not self._allocate_new(req, num_new, cached, out):
+            if side:
+                if num_new < req.num_tokens - len(cached) * self.bm.block_size:
+                    held_back.add(group)  # its prompt needs chunks: the ordinary steps'
+                    continue
+                if not self.bm.allocate(req, num_new, cached):
+                    break
+            elif not self._allocate_new(req, num_new, cached, out):
                 break
             req.num_computed_tokens = len(cached) * self.bm.block_size
             if req.num_preemptions == 0:

@@ -17,3 +17,4 @@ class EngineStats:
     num_prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     num_accepted_draft_tokens: int = 0  # of which kept
+    num_side_steps: int = 0  # newcomers' steps run between two layers of a step (EngineCore)

@@ -53,9 +53,17 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        between_layers: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """(T,) token ids of all sequences, flat -> (T, hidden) final hidden states.
+
+        `between_layers(done, total)`, if given, is called before each layer but the first,
+        with the layers done so far (the engine may run a step of its own there: nothing of
+        this forward is held but its local tensors).
 
         The residual stream is carried between layers with each sublayer's output still to add
         (`delta`): the next norm adds it (`RMSNorm.add_forward`), in one kernel call when native.
@@ -65,7 +73,10 @@ class CausalLM(nn.Module):
         """
         residual = self.embed(input_ids)
         delta: torch.Tensor | None = None
-        for layer in self.model.layers:
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            if between_layers is not None and i:
+                between_layers(i, len(layers))
             delta, residual = layer.forward(delta, residual, positions, attn_metadata)
         return self.model.norm.add_forward(delta, residual)[0]
 

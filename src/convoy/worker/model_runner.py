@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,9 +55,15 @@ class ModelRunner:
                 module.bind_cache(*kv_cache.layer(module.layer_idx))
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq]) -> RunnerOutput:
+    def execute(
+        self, seqs: list[ScheduledSeq], between_layers: Callable[[int, int], None] | None = None
+    ) -> RunnerOutput:
+        """`between_layers`: see `CausalLM.forward` (a step run there must not pass one)."""
         input_ids, positions, meta = self.prepare(seqs)
-        hidden = self.model(input_ids, positions, meta)
+        if between_layers is None:
+            hidden = self.model(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta, between_layers)
         rows: list[int] = []
         prompt_spans: list[tuple[int, int] | None] = []
         pooled: dict[str, npt.NDArray[np.float64]] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -145,13 +146,15 @@ class Worker:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
+    def execute(
+        self, seqs: list[ScheduledSeq], between_layers: Callable[[int, int], None] | None = None
+    ) -> ModelRunnerOutput:
         """Run one step: forward the new tokens, sample where a sequence samples, score prompts,
-        pool embeddings."""
+        pool embeddings. `between_layers`: see `CausalLM.forward`."""
         result = ModelRunnerOutput()
         if not seqs:
             return result
-        out = self.runner.execute(seqs)
+        out = self.runner.execute(seqs, between_layers)
         result.pooled = out.pooled
         sampling = [s for s in seqs if s.sampling is not None]
         if sampling:
