@@ -5,11 +5,15 @@ model-level checks). The tokenizer is the embedded SmolLM2's; prompts are token 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import torch
 
 from convoy import LLM, SamplingParams
+from convoy.config import EngineConfig
+from convoy.engine.async_engine import AsyncEngine
+from convoy.sampling_params import RequestOutputKind
 from tests.models.harness import copy_embedded_tokenizer, reference_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -54,3 +58,39 @@ def test_phi3_engine_chunked_prefill_and_prefix_cache(tmp_path: Path) -> None:
     for prompt, tokens in zip(prompts, ours, strict=True):
         assert list(tokens) == reference_greedy(ref, prompt, steps=STEPS)[1], len(prompt)
     assert llm.core.block_manager.num_hit_tokens > 0  # the 30-token prompt reused the 24's
+
+
+def test_phi3_through_the_server_engine_with_side_steps(tmp_path: Path) -> None:
+    """The server's engine passes every step's forward the side-step hook (EngineCore): Phi-3's
+    forward, which re-indexes positions for LongRoPE first, takes it on; requests that come
+    while others run (side steps or not) get transformers' tokens, across the switch too."""
+    ref = _phi3_folder(tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (20, 40, 12, 30)]
+    params = SamplingParams(
+        temperature=0, max_tokens=STEPS, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    config = EngineConfig.from_kwargs(
+        model=str(tmp_path), dtype="float32", block_size=4, side_step_ms=1e-3
+    )
+
+    async def scenario() -> list[list[int]]:
+        engine = AsyncEngine(config)
+        await engine.start()
+
+        async def tokens(i: int, prompt: list[int]) -> list[int]:
+            await asyncio.sleep(0.002 * i)  # one after the other, into the steps of the others
+            req = engine.frontend.inputs.process(prompt, params, f"r{i}")
+            outs = [o async for o in engine.generate(req)]
+            return list(outs[-1].outputs[0].token_ids)
+
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(tokens(i, p) for i, p in enumerate(prompts))), 120
+            )
+        finally:
+            await engine.shutdown()
+
+    ours = asyncio.run(scenario())
+    for prompt, got in zip(prompts, ours, strict=True):
+        assert got == reference_greedy(ref, prompt, steps=STEPS)[1], len(prompt)

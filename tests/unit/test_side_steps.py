@@ -3,8 +3,11 @@ flight (EngineCore), so it admits only what leaves that step untouched (no model
 
 from __future__ import annotations
 
+import inspect
+
 from convoy.engine.request import Priority, Request, RequestStatus
 from convoy.engine.scheduler import SchedulerOutput
+from convoy.models.registry import ARCHITECTURES
 from convoy.worker.batch import ModelRunnerOutput
 from tests.unit.test_scheduler import BS, FakeEngine, _req
 
@@ -122,3 +125,11 @@ def test_a_side_step_waits_on_a_prompt_block_the_step_in_flight_computes() -> No
     assert (twin, 1) in scheduled  # three blocks from the cache, one token computed
     eng.run()
     assert eng.bm.num_used_blocks == 0
+
+
+def test_every_family_takes_the_hook_a_side_step_runs_from() -> None:
+    """The server's steps pass `between_layers` to the model's forward (EngineCore): a family
+    that overrides forward must take it (Phi-3's did not, and every server step failed)."""
+    for family in dict.fromkeys(ARCHITECTURES.values()):
+        params = inspect.signature(family.forward).parameters
+        assert "between_layers" in params, family.__name__

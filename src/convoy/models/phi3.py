@@ -156,12 +156,16 @@ class Phi3ForCausalLM(CausalLM):
         super().__init__(cfg, Phi3Model(cfg))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        between_layers: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         rope = self.model.rotary
         if isinstance(rope, LongRopeEmbedding):
             positions = rope.rope_index(positions, attn_metadata)
-        return super().forward(input_ids, positions, attn_metadata)
+        return super().forward(input_ids, positions, attn_metadata, between_layers)
 
     @classmethod
     def gguf_config(cls, arch: str, cfg: dict[str, Any], get: Callable[..., Any]) -> None:
