@@ -47,15 +47,18 @@ async def _until(cond: Callable[[], bool]) -> None:
     await asyncio.wait_for(poll(), TIMEOUT_S)
 
 
-def _engine(**kwargs: object) -> AsyncEngine:
+def _engine(dtype: str = "float32", **kwargs: object) -> AsyncEngine:
     # any time left in a step is enough: every newcomer that finds one in flight takes a side
     # step (the default, 100 ms, needs longer steps than 16 rows of this model)
-    return AsyncEngine(EngineConfig.from_kwargs(dtype="float32", side_step_ms=1e-3, **kwargs))
+    return AsyncEngine(EngineConfig.from_kwargs(dtype=dtype, side_step_ms=1e-3, **kwargs))
 
 
-def test_newcomers_beside_a_step_in_flight_get_their_tokens_alone_in_side_steps() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # the exact mode; the quantized default
+def test_newcomers_beside_a_step_in_flight_get_their_tokens_alone_in_side_steps(
+    dtype: str,
+) -> None:
     async def scenario() -> None:
-        engine = _engine(speculative="off")  # a step is one token a stream: they outlast
+        engine = _engine(dtype, speculative="off")  # a step is one token a stream: they outlast
         await engine.start()
         process = engine.frontend.inputs.process
         encode = engine.tokenizer.encode
