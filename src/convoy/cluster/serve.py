@@ -206,17 +206,17 @@ def _deploy_batch_api(settings: ServerConfig, replicas: int, model: str) -> None
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
         ray_actor_options={**small, "resources": {_this_node(): 0.001}},
     )(serve.ingress()(BatchCoordinator))
-    serve.run(
-        coordinator.bind(flat, model, replicas), name=FILES_APP, route_prefix=FILES_ROUTE,
-        blocking=False,
-    )  # fmt: skip
     forwarder = serve.deployment(
         name="BatchForwarder",
         num_replicas=1,
         max_ongoing_requests=BATCH_API_ONGOING,
         ray_actor_options=small,
     )(serve.ingress()(BatchForwarder))
-    serve.run(forwarder.bind(flat), name=BATCHES_APP, route_prefix=BATCHES_ROUTE, blocking=False)
+    # both at once: `serve.run` waits ~3 s for each app (a DeveloperAPI; Ray is pinned)
+    serve.run_many([
+        serve.RunTarget(coordinator.bind(flat, model, replicas), FILES_APP, FILES_ROUTE),
+        serve.RunTarget(forwarder.bind(flat), BATCHES_APP, BATCHES_ROUTE),
+    ])  # fmt: skip
 
 
 def _this_node() -> str:
