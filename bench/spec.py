@@ -13,7 +13,13 @@ VM's drift hits every server alike):
   outputs); max_tokens = the piece's tokens + 48;
 - quote: a ~1,000-token context (paragraphs of docs/architecture.md) and a request to quote one
   paragraph of it word for word (prompt lookup drafts; no prediction); max_tokens 256;
-- chat: questions whose answers share nothing with the prompt; max_tokens 128.
+- chat: questions whose answers share nothing with the prompt; max_tokens 128;
+- faithful: what `edit` would be with a model that edits faithfully (the shipped small models
+  rewrite the code instead: bench/edit_faithfulness.py). The edit requests, each answered once
+  first by `convoy serve --speculative off` (greedy: the answer every server gives); the
+  prediction sent is that answer with every --changed-every'th line replaced, so the answer
+  differs from the "original" in ~1 line in N, as a real small edit does. It measures the
+  mechanism (verifying the prediction, re-aligning after each changed line), not a model.
 Servers: `convoy serve --speculative off`, `convoy serve` (auto: prompt lookup, and the
 prediction), and llama-server with its default flags (no speculative decoding: it ignores
 `prediction`). Per --concurrency N: N clients send the workload's requests (cycled to at least N
@@ -102,6 +108,18 @@ def edit_requests(n: int, seed: int) -> list[Req]:
     return out
 
 
+def faithful_requests(edits: list[Req], answers: list[str], every: int) -> list[Req]:
+    """The edit requests with, as prediction, their answer with every `every`'th line (from the
+    `every // 2`'th) changed: the original a faithful edit would have come from."""
+    out = []
+    for req, answer in zip(edits, answers, strict=True):
+        lines = answer.splitlines(keepends=True)
+        for i in range(every // 2, len(lines), every):
+            lines[i] = f"    value = changed_{i}()  # not in the answer\n"
+        out.append(Req(req.messages, req.max_tokens, "".join(lines)))
+    return out
+
+
 def quote_requests(n: int, seed: int) -> list[Req]:
     text = (ROOT / "docs" / "architecture.md").read_text()
     paras = [p.strip() for p in re.split(r"\n\s*\n", text) if 300 <= len(p.strip()) <= 1200]
@@ -184,7 +202,8 @@ def main() -> None:
     add("--model", default="smollm2-135m-instruct", help="short name or .gguf path")
     add("--files", type=int, default=20, help="edit workload: code pieces")
     add("--requests", type=int, default=20, help="quote and chat workloads: requests")
-    add("--workloads", default="edit,quote,chat")
+    add("--workloads", default="edit,quote,chat", help="of edit, quote, chat, faithful")
+    add("--changed-every", type=int, default=10, help="faithful: one line in N differs")
     add("--concurrency", default="1,64")
     add("--seed", type=int, default=0)
     add("--rounds", type=int, default=1, help="passes of each row per server, taking turns (median)")
@@ -198,6 +217,7 @@ def main() -> None:
         "edit": edit_requests(args.files, args.seed),
         "quote": quote_requests(args.requests, args.seed),
         "chat": chat_requests(args.requests),
+        "faithful": [],  # made once the servers run (the answers without drafts)
     }
     workloads = {k: v for k, v in workloads.items() if k in args.workloads.split(",")}
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -220,6 +240,10 @@ def main() -> None:
         for srv in live:
             srv.wait_ready(900)
             asyncio.run(run_requests(srv, chat_requests(2), 2, args.timeout))  # warm-up
+        if "faithful" in workloads:
+            edits = edit_requests(args.files, args.seed)
+            texts = asyncio.run(run_requests(live[0], edits, 4, args.timeout))[2]
+            workloads["faithful"] = faithful_requests(edits, texts, args.changed_every)
         for wl, reqs in workloads.items():
             for n in concurrency:
                 batch = (reqs * (-(-n // len(reqs))))[: max(n, len(reqs))]
