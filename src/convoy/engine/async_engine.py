@@ -231,7 +231,10 @@ class AsyncEngine:
             self._fail([request.request_id], _step_failed)
 
     def _newcomers_waiting(self) -> bool:
-        """Between two layers of a step: has an interactive request arrived?"""
+        """Between two layers of a step: has an interactive request arrived? (Called every
+        layer: an empty list, the usual answer, is read without the lock.)"""
+        if not self._pending:
+            return False
         with self._lock:
             return any(r.priority == Priority.INTERACTIVE for r, _ in self._pending)
 
@@ -243,7 +246,9 @@ class AsyncEngine:
         for request, queue in pending:
             self._add(request, queue)
         try:
-            self._step(side=True)
+            self.frontend.side_step()
+        except EngineStepError as e:  # the frontend has ended those requests already
+            self._end_failed(e)
         except Exception:  # noqa: BLE001 - outside the model run: end the newcomers only
             logger.exception("side step failed; ending its new request(s)")
             request_ids = [request.request_id for request, _ in pending]
@@ -251,27 +256,26 @@ class AsyncEngine:
                 self.frontend.abort(request_id, emit=False)
             self._fail(request_ids, _step_failed)
 
-    def _step(self, side: bool = False) -> None:
+    def _end_failed(self, e: EngineStepError) -> None:
+        """Tell the requests a failed step named (the frontend has ended them already)."""
+        if e.errors:  # constraints that failed: the clients' errors, not the engine's
+            logger.warning("ending %d request(s): %s", len(e.request_ids), e)
+        else:
+            logger.error(
+                "engine step failed; ending its %d request(s)", len(e.request_ids), exc_info=e
+            )
+        for request_id in e.request_ids:
+            make_error: Callable[[], Exception] = _step_failed
+            if request_id in e.errors:  # one request, one coroutine: the error itself
+                make_error = functools.partial(e.errors.__getitem__, request_id)
+            self._fail([request_id], make_error)
+
+    def _step(self) -> None:
         try:
-            if side:
-                self.frontend.side_step()
-            else:
-                self.frontend.step()
-        except EngineStepError as e:  # the frontend has ended those requests already
-            if e.errors:  # constraints that failed: the clients' errors, not the engine's
-                logger.warning("ending %d request(s): %s", len(e.request_ids), e)
-            else:
-                logger.error(
-                    "engine step failed; ending its %d request(s)", len(e.request_ids), exc_info=e
-                )
-            for request_id in e.request_ids:
-                make_error: Callable[[], Exception] = _step_failed
-                if request_id in e.errors:  # one request, one coroutine: the error itself
-                    make_error = functools.partial(e.errors.__getitem__, request_id)
-                self._fail([request_id], make_error)
+            self.frontend.step()
+        except EngineStepError as e:
+            self._end_failed(e)
         except Exception:  # noqa: BLE001 - outside the model run: end everything in flight
-            if side:
-                raise  # (_side_step: the newcomers only)
             logger.exception("engine step failed; ending every request in flight")
             request_ids = list(self.frontend.parents)
             self.frontend.abort_all(emit=False)

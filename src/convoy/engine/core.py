@@ -87,8 +87,7 @@ class EngineCore:
         self.side_step_s = config.scheduler.side_step_ms / 1e3
         self.num_side_steps = 0
         self._step_start = 0.0
-        self._side_seconds = 0.0  # spent in this step's side step
-        self._side_ran = False
+        self._side_seconds: float | None = None  # this step's side step took; None: none yet
         # NOTE: other threads (the server's /metrics) read this snapshot, refreshed on the engine
         # thread after each step and abort, and never the scheduler's live dicts.
         self.last_stats = self.stats()
@@ -120,13 +119,13 @@ class EngineCore:
             hook = None
             if self.side_steps is not None and self.side_step_s > 0:
                 hook = self._between_layers
-            self._side_ran, self._side_seconds = False, 0.0
+            self._side_seconds = None
             start = self._step_start = time.perf_counter()
             runner_out = self.worker.execute(sched.seqs, hook)
             # what a step costs by rows (step sizes, drafts): decode rows and verifications
             # only, not prefills, nor a side step run inside it
             if all(seq.draft or len(seq.token_ids) == 1 for seq in sched.seqs):
-                seconds = time.perf_counter() - start - self._side_seconds
+                seconds = time.perf_counter() - start - (self._side_seconds or 0.0)
                 rows = sum(len(seq.token_ids) for seq in sched.seqs)
                 self.scheduler.step_costs.record(rows, seconds)
                 tokens = sum(map(len, runner_out.sampled_token_ids.values()))
@@ -150,15 +149,14 @@ class EngineCore:
         is left of this step, extrapolated from its layers so far, is at least --side-step-ms.
         One side step a step at most, so a step in flight is delayed by one at most."""
         side = self.side_steps
-        if self._side_ran or side is None or not side.waiting():
+        if self._side_seconds is not None or side is None or not side.waiting():
             return
         elapsed = time.perf_counter() - self._step_start
         if elapsed * (total - done) / done < self.side_step_s:
             return
-        self._side_ran = True
         start = time.perf_counter()
         side.run()
-        self._side_seconds += time.perf_counter() - start
+        self._side_seconds = time.perf_counter() - start
 
     def side_step(self) -> list[SeqDelta]:
         """A side step (module docstring): the waiting interactive prompts that fit, run by

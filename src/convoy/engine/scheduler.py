@@ -347,13 +347,15 @@ class Scheduler:
             if at_cap and (side or not self._make_room(q, group, out)):
                 break
             num_new = min(req.num_tokens - len(cached) * self.bm.block_size, budget)
-            if side:
-                if num_new < req.num_tokens - len(cached) * self.bm.block_size:
-                    held_back.add(group)  # its prompt needs chunks: the ordinary steps'
-                    continue
-                if not self.bm.allocate(req, num_new, cached):
-                    break
-            elif not self._allocate_new(req, num_new, cached, out):
+            if side and num_new < req.num_tokens - len(cached) * self.bm.block_size:
+                held_back.add(group)  # its prompt needs chunks: the ordinary steps'
+                continue
+            allocated = (
+                self.bm.allocate(req, num_new, cached)  # never preempting (a step is in flight)
+                if side
+                else self._allocate_new(req, num_new, cached, out)
+            )
+            if not allocated:
                 break
             req.num_computed_tokens = len(cached) * self.bm.block_size
             if req.num_preemptions == 0:
