@@ -20,6 +20,8 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
         (4, 1, 256, 16, 7),  # Gemma 3 sliding layer, window shorter than most contexts
         (8, 8, 32, 4, None),  # no GQA, tiny blocks
         (6, 2, 48, 8, 1),  # window of one key
+        (32, 32, 96, 16, None),  # Phi-3's heads: V in 64 dims a pass, then 32
+        (8, 2, 80, 16, None),  # 4 heads a group, 64 dims a pass then 16
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -145,6 +147,8 @@ def test_decode_kernel_rejects_negative_soft_cap() -> None:
         (4, 1, 256, 7, 0.0),  # a sliding window shorter than the chunk
         (8, 4, 16, 0, 50.0),  # soft-capped (Gemma 2)
         (12, 2, 96, 5, 0.0),  # Phi-3's head size, 6 heads a group: 2 rows a tile
+        (4, 4, 96, 0, 0.0),  # Phi-3's heads (no GQA): V in 64 dims a pass, then 32
+        (8, 2, 80, 0, 0.0),  # 4 heads a group: V in 64 dims a pass, then 16
         (16, 2, 32, 0, 0.0),  # 8 heads a group: 1 row a tile
         (18, 2, 32, 0, 0.0),  # 9 heads a group: the scalar path
         (4, 2, 12, 3, 0.0),  # head size not a multiple of 8: the scalar path

@@ -70,14 +70,57 @@ inline void prefetch_row(const C* row, int64_t D) {
     _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
-// scores[j * n + i] = q_j . k_i * scale for the G query heads of one KV head, and
-// acc_j = sum_i p_j[i] * v_i: G a compile-time constant, so the G accumulators stay in registers.
+// The sums of 4 keys' accumulators of one head, each in hsum8's order (its lo + hi halves, then
+// lanes 0+2 and 1+3, then 0+1), so a key's score has the bits hsum8 gives it alone; 4 lanes out.
+inline __m128 hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s0 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20),
+                                  _mm256_permute2f128_ps(a0, a1, 0x31));  // a0's 4 | a1's 4
+  const __m256 s1 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20),
+                                  _mm256_permute2f128_ps(a2, a3, 0x31));  // a2's 4 | a3's 4
+  const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(t, t, _MM_SHUFFLE(3, 1, 3, 1)));
+  // r = [k0 k2 k0 k2 | k1 k3 k1 k3]
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+}
+
+// scores[j * n + i] = q_j . k_i * scale for the G query heads of one KV head: per key and head a
+// chain of FMAs over D in chunks of 8, then hsum8, then * scale (prefill's qk_tile computes the
+// same). Keys go 4 at a time, the chunk loop inside: each q chunk is loaded once for 4 keys, the
+// 4 keys' rows are in flight together and their sums are reduced together (hsum8x4, the same
+// bits). One key at a time (a q load per FMA, a reduction per key) ran 1.2-1.5x slower: 64
+// sequences x 1,000 keys of SmolLM2's heads, fp16, one thread (bench/attention_micro.cpp).
 template <int G, typename C>
 void qk_scores(const float* qf, const C* kg, const int64_t* slots, int64_t n, int64_t D,
                float scale, float* scores) {
-  for (int64_t i = 0; i < n; ++i) {
+  constexpr int NK = 4;
+  const __m128 sc4 = _mm_set1_ps(scale);
+  int64_t i = 0;
+  // G > 4: 4 x G accumulators would not fit the registers; one key at a time (below)
+  for (; G <= 4 && i + NK <= n; i += NK) {
+    const C* kr[NK];
+    for (int u = 0; u < NK; ++u) {
+      kr[u] = kg + slots[i + u] * D;
+      if (i + u + kAheadKeys < n) prefetch_row(kg + slots[i + u + kAheadKeys] * D, D);
+    }
+    __m256 a[G][NK];
+    for (int j = 0; j < G; ++j)
+      for (int u = 0; u < NK; ++u) a[j][u] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 qv[G];
+      for (int j = 0; j < G; ++j) qv[j] = _mm256_loadu_ps(qf + j * D + d);
+      for (int u = 0; u < NK; ++u) {
+        const __m256 k8 = load8(kr[u] + d);
+        for (int j = 0; j < G; ++j) a[j][u] = _mm256_fmadd_ps(qv[j], k8, a[j][u]);
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      _mm_storeu_ps(scores + j * n + i,
+                    _mm_mul_ps(hsum8x4(a[j][0], a[j][1], a[j][2], a[j][3]), sc4));
+  }
+  for (; i < n; ++i) {  // the last n % 4 keys (every key for G > 4) one at a time
     const C* krow = kg + slots[i] * D;
-    if (i + kAheadKeys < n) prefetch_row(kg + slots[i + kAheadKeys] * D, D);
     __m256 a[G];
     for (int j = 0; j < G; ++j) a[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
@@ -88,6 +131,7 @@ void qk_scores(const float* qf, const C* kg, const int64_t* slots, int64_t n, in
   }
 }
 
+// acc_j = sum_i p_j[i] * v_i: G a compile-time constant, so the G accumulators stay in registers.
 // CH chunks of 8 dims at once: each accumulator is a chain of dependent FMAs (one a key), so one
 // chunk of G <= 3 heads kept the FMA units a third busy (latency-bound); CH independent chunks
 // fill them. Every output element still sums its keys in order: the same bits for any CH.
@@ -114,9 +158,17 @@ void pv_chunks(const float* scores, const C* vg, const int64_t* slots, int64_t n
 template <int G, typename C>
 void pv_accumulate(const float* scores, const C* vg, const int64_t* slots, int64_t n, int64_t D,
                    float* acc) {
-  constexpr int CH = G <= 2 ? 4 : G <= 4 ? 2 : 1;  // G * CH + CH + 1 registers of 16
+  // Up to 4 heads, 64 dims a pass over the keys (D = 64: one pass; each V row is read once,
+  // whole): more accumulators than registers on AVX2, yet 1.2-1.5x faster than 16-32 dims a pass
+  // once the cache comes from memory (bench/attention_micro.cpp). More heads: G * CH + CH + 1
+  // registers of 16, as before.
+  constexpr int CH = G <= 4 ? 8 : 1;
   int64_t c = 0;
   for (; c + 8 * CH <= D; c += 8 * CH) pv_chunks<G, CH, C>(scores, vg, slots, n, D, c, acc);
+  if constexpr (CH > 4)
+    for (; c + 32 <= D; c += 32) pv_chunks<G, 4, C>(scores, vg, slots, n, D, c, acc);
+  if constexpr (CH > 2)
+    for (; c + 16 <= D; c += 16) pv_chunks<G, 2, C>(scores, vg, slots, n, D, c, acc);
   for (; c < D; c += 8) pv_chunks<G, 1, C>(scores, vg, slots, n, D, c, acc);
 }
 
@@ -140,6 +192,20 @@ bool attend_vec(int64_t G, const float* qf, const C* kg, const C* vg, const int6
 }
 #endif
 
+
+// out[i] = the cache slot of position first + i, for positions [first, len): a block's slots
+// are consecutive, so each block is looked up and range-checked once.
+inline void fill_slots(const int64_t* table, int64_t block_size, int64_t first, int64_t len,
+                       int64_t S, int64_t* out) {
+  for (int64_t t = first; t < len;) {
+    const int64_t off = t % block_size;
+    const int64_t cnt = std::min(block_size - off, len - t);
+    const int64_t base = table[t / block_size] * block_size + off;
+    TORCH_CHECK(base >= 0 && base + cnt <= S, "slot out of range");
+    for (int64_t k = 0; k < cnt; ++k) *out++ = base + k;
+    t += cnt;
+  }
+}
 
 // Scores of one query row's G heads over n keys by the scalar path (no AVX2, D % 8, G > 8):
 // scores[j * n + i] = q_j . k_i * scale.
@@ -244,12 +310,7 @@ void decode_attention_impl(const at::Tensor& qc, const at::Tensor& k_cache, cons
       const C* kg = kp + g * S * D;
       const C* vg = vp + g * S * D;
       const int64_t* table = btp + b * NB;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = first + i;
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        TORCH_CHECK(slot >= 0 && slot < S, "slot out of range");
-        slots[i] = slot;
-      }
+      fill_slots(table, block_size, first, len, S, slots.data());
 #ifdef CONVOY_ATTN_AVX2
       const bool vec = attend_vec<C>(G, qf.data(), kg, vg, slots.data(), n, D, fscale,
                                      scores.data(), acc.data(), false);
@@ -328,11 +389,7 @@ void prefill_attention_impl(const at::Tensor& qc, const at::Tensor& k_cache,
   const int64_t* table = table_t.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   std::vector<int64_t> slots(ctx);  // of every key of the sequence, shared by all rows
-  for (int64_t t = 0; t < ctx; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    TORCH_CHECK(slot >= 0 && slot < S, "slot out of range");
-    slots[t] = slot;
-  }
+  fill_slots(table, block_size, 0, ctx, S, slots.data());
 #ifdef CONVOY_ATTN_AVX2
   const int R = D % 8 == 0 ? tile_rows(G) : 0;
 #else
