@@ -21,6 +21,7 @@ import time
 import torch
 
 from convoy import kernels
+from convoy.worker.kv_cache import _zeros as kv_zeros
 
 
 def main() -> None:
@@ -43,8 +44,12 @@ def main() -> None:
     per_seq = -(-(args.ctx + b) // bs)
     num_blocks = per_seq * (1 if args.one_sequence else b)
     dtype = getattr(torch, args.cache_dtype)
-    k = torch.randn(hkv, num_blocks * bs, d).to(dtype)
-    v = torch.randn(hkv, num_blocks * bs, d).to(dtype)
+    # allocated as the server's pool is (transparent huge pages asked for: with 4 KB pages every
+    # scattered block is a TLB miss), then filled
+    k = kv_zeros((hkv, num_blocks * bs, d), dtype, torch.device("cpu"))
+    v = kv_zeros((hkv, num_blocks * bs, d), dtype, torch.device("cpu"))
+    k.copy_(torch.randn(hkv, num_blocks * bs, d))
+    v.copy_(torch.randn(hkv, num_blocks * bs, d))
     order = torch.arange(num_blocks) if args.contiguous else torch.randperm(num_blocks)
     if args.one_sequence:
         tables = order.expand(b, -1).contiguous()

@@ -210,6 +210,8 @@ def main() -> None:
     add("--skip-llama", action="store_true")
     add("--wait-idle", type=float, default=20)
     add("--timeout", type=float, default=1800)
+    add("--convoy-flag", action="append", default=[],
+        help="extra flag for the Convoy that drafts, repeatable (--convoy-flag=--num-speculative-tokens=16)")  # fmt: skip
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     gguf = gguf_path(args.model)
@@ -227,7 +229,7 @@ def main() -> None:
               "--max-model-len", str(ctx)]  # fmt: skip
     servers: list[tuple[str, list[str]]] = [
         ("convoy-off", [*convoy, "--speculative", "off"]),
-        ("convoy", convoy),
+        ("convoy", [*convoy, *args.convoy_flag]),
     ]
     if not args.skip_llama:
         binary = build_llama_server(cores)

@@ -155,6 +155,39 @@ void pv_chunks(const float* scores, const C* vg, const int64_t* slots, int64_t n
     for (int u = 0; u < CH; ++u) _mm256_storeu_ps(acc + j * D + c + 8 * u, a[j][u]);
 }
 
+#ifdef __AVX512F__
+// 16 cache values widened to fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// pv_chunks in zmm: CH chunks of 16 dims; each output element the same chain over the keys.
+template <int G, int CH, typename C>
+void pv_chunks_z(const float* scores, const C* vg, const int64_t* slots, int64_t n, int64_t D,
+                 int64_t c, float* acc) {
+  __m512 a[G][CH];
+  for (int j = 0; j < G; ++j)
+    for (int u = 0; u < CH; ++u) a[j][u] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const C* vrow = vg + slots[i] * D + c;
+    if (c == 0 && i + kAheadKeys < n) prefetch_row(vg + slots[i + kAheadKeys] * D, D);
+    __m512 v16[CH];
+    for (int u = 0; u < CH; ++u) v16[u] = load16(vrow + 16 * u);
+    for (int j = 0; j < G; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[j * n + i]);
+      for (int u = 0; u < CH; ++u) a[j][u] = _mm512_fmadd_ps(p, v16[u], a[j][u]);
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int u = 0; u < CH; ++u) _mm512_storeu_ps(acc + j * D + c + 16 * u, a[j][u]);
+}
+#endif
+
 template <int G, typename C>
 void pv_accumulate(const float* scores, const C* vg, const int64_t* slots, int64_t n, int64_t D,
                    float* acc) {
@@ -164,6 +197,12 @@ void pv_accumulate(const float* scores, const C* vg, const int64_t* slots, int64
   // registers of 16, as before.
   constexpr int CH = G <= 4 ? 8 : 1;
   int64_t c = 0;
+#ifdef __AVX512F__
+  if constexpr (G <= 4) {
+    for (; c + 64 <= D; c += 64) pv_chunks_z<G, 4, C>(scores, vg, slots, n, D, c, acc);
+    for (; c + 16 <= D; c += 16) pv_chunks_z<G, 1, C>(scores, vg, slots, n, D, c, acc);
+  }
+#endif
   for (; c + 8 * CH <= D; c += 8 * CH) pv_chunks<G, CH, C>(scores, vg, slots, n, D, c, acc);
   if constexpr (CH > 4)
     for (; c + 32 <= D; c += 32) pv_chunks<G, 4, C>(scores, vg, slots, n, D, c, acc);
@@ -239,9 +278,22 @@ void finish_row(float* scores, int64_t n, int64_t G, int64_t D, const C* vg,
   for (int64_t j = 0; j < G; ++j) {
     float* s = scores + j * n;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-    float sum = 0.f;
     int64_t i = 0;
+#ifdef CONVOY_ATTN_AVX2
+    // the max in 8 lanes (a scalar max is a chain of dependent maxss: ~10% of a verification
+    // step's attention at 1,300 keys); a max is the same whatever the order
+    if (n >= 8) {
+      __m256 m8 = _mm256_loadu_ps(s);
+      for (i = 8; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + i));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      mx = _mm_cvtss_f32(m4);
+    }
+#endif
+    for (; i < n; ++i) mx = std::max(mx, s[i]);
+    float sum = 0.f;
+    i = 0;
 #ifdef CONVOY_ATTN_AVX2
     __m256 sum8 = _mm256_setzero_ps();
     const __m256 mx8 = _mm256_set1_ps(mx);
