@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from convoy import kernels
+from convoy.kernels import builder
 from convoy.models.attention import AttentionMetadata, _decode_attention
 
 # builds the kernels; skips only without a C++ compiler (tests/unit/conftest.py)
@@ -182,3 +188,44 @@ def test_prefill_kernel_gives_each_query_the_bits_of_its_decode_row(
         q, k_cache, v_cache, table.expand(num_q, -1), lens, block_size, scale, window, softcap
     )
     assert torch.equal(out, rows)
+
+
+_ATTENTION_CROSS_CHECK = """
+import sys, torch
+from convoy import kernels
+kernels.build()
+cases = torch.load(sys.argv[1])
+torch.save([kernels.decode_attention(*case) for case in cases], sys.argv[2])
+"""
+
+
+def test_the_avx2_build_gives_the_same_attention_bits(tmp_path: Path) -> None:
+    """AVX2 is the floor CI may run on: where this host's build has AVX-512 (the weighted sums
+    in zmm), a decode row is still the bits the AVX2 build gives it (each element's sum over
+    the keys in the same order), for every cache type and the head shapes the kernel tiles
+    differently (3 and 4 heads a group, 64-dim passes, the 16- and 8-dim rests)."""
+    if builder.isa() in ("avx2", "generic"):
+        pytest.skip("this host's build is the AVX2 one (or it cannot run AVX2 code)")
+    gen = torch.Generator().manual_seed(5)
+    cases = []
+    for heads, kv_heads, head_dim in [(9, 3, 64), (4, 1, 256), (8, 2, 80), (4, 4, 96), (6, 1, 72)]:
+        for q_dtype, cache_dtype in [
+            (torch.float32, torch.float16), (torch.float32, torch.float32),
+            (torch.bfloat16, torch.bfloat16),
+        ]:  # fmt: skip
+            bs, num_blocks = 4, 40
+            k = torch.randn(kv_heads, num_blocks * bs, head_dim, generator=gen).to(cache_dtype)
+            v = torch.randn(kv_heads, num_blocks * bs, head_dim, generator=gen).to(cache_dtype)
+            lens = torch.tensor([1, 6, 13, 37])
+            tables = torch.randperm(num_blocks, generator=gen)[:40].view(4, 10)
+            q = torch.randn(4, heads, head_dim, generator=gen).to(q_dtype)
+            cases.append((q, k, v, tables, lens, bs, head_dim**-0.5, 0, 0.0))
+    torch.save(cases, tmp_path / "cases.pt")
+    subprocess.run(
+        [sys.executable, "-c", _ATTENTION_CROSS_CHECK, str(tmp_path / "cases.pt"),
+         str(tmp_path / "out.pt")],
+        env={**os.environ, builder.ISA_ENV: "avx2"}, check=True, timeout=900,
+    )  # fmt: skip
+    theirs = torch.load(tmp_path / "out.pt")
+    for case, other in zip(cases, theirs, strict=True):
+        assert torch.equal(kernels.decode_attention(*case), other), case[0].shape
