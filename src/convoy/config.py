@@ -227,7 +227,7 @@ class SchedulerConfig(_Config):
         choices=SPECULATIVE_MODES,
     )
     num_speculative_tokens: int = setting(
-        8, "most draft tokens a sequence verifies in one step", kind="positive"
+        16, "most draft tokens a sequence verifies in one step", kind="positive"
     )
     prompt_lookup_min: int = setting(
         1, "shortest suffix n-gram prompt lookup matches", kind="positive"
