@@ -97,6 +97,29 @@ def code_pieces(n: int, seed: int) -> list[str]:
     return pieces
 
 
+def prose_pieces(n: int, seed: int) -> list[str]:
+    """n pieces of 1,100-2,800 characters (~300-800 tokens) of Convoy's docs: runs of whole
+    paragraphs of plain text (no code blocks, tables or lists), blank lines between them."""
+    paras: list[str] = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for para in re.split(r"\n\s*\n", path.read_text()):
+            para = para.strip()
+            if len(para) >= 200 and not para.startswith(("```", "|", "#", "-", "*", "    ")):
+                paras.append(para)
+    rng = random.Random(seed)
+    pieces: list[str] = []
+    while len(pieces) < n:
+        start = rng.randrange(len(paras))
+        piece = ""
+        for para in paras[start:]:
+            if len(piece) + len(para) + 2 > 2800:
+                break
+            piece += para + "\n\n"
+        if len(piece) >= 1100:
+            pieces.append(piece.rstrip("\n") + "\n")
+    return pieces
+
+
 def edit_requests(n: int, seed: int) -> list[Req]:
     out = []
     for piece in code_pieces(n, seed):
