@@ -85,6 +85,25 @@ inline __m128 hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_unpacklo_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
 }
 
+// Keys [i0, n) one at a time, for P (row, head) pairs whose q rows lie D apart from qf:
+// scores[p * n + i] = hsum8(the chain of FMAs over D in chunks of 8) * scale. The tail of the
+// 4-key loops below (and every key where their accumulators would not fit the registers).
+template <int P, typename C>
+void qk_keys_singly(const float* qf, const C* kg, const int64_t* slots, int64_t i0, int64_t n,
+                    int64_t D, float scale, float* scores) {
+  for (int64_t i = i0; i < n; ++i) {
+    const C* krow = kg + slots[i] * D;
+    if (i + kAheadKeys < n) prefetch_row(kg + slots[i + kAheadKeys] * D, D);
+    __m256 a[P];
+    for (int p = 0; p < P; ++p) a[p] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 k8 = load8(krow + d);
+      for (int p = 0; p < P; ++p) a[p] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + p * D + d), k8, a[p]);
+    }
+    for (int p = 0; p < P; ++p) scores[p * n + i] = hsum8(a[p]) * scale;
+  }
+}
+
 // scores[j * n + i] = q_j . k_i * scale for the G query heads of one KV head: per key and head a
 // chain of FMAs over D in chunks of 8, then hsum8, then * scale (prefill's qk_tile computes the
 // same). Keys go 4 at a time, the chunk loop inside: each q chunk is loaded once for 4 keys, the
@@ -119,41 +138,20 @@ void qk_scores(const float* qf, const C* kg, const int64_t* slots, int64_t n, in
       _mm_storeu_ps(scores + j * n + i,
                     _mm_mul_ps(hsum8x4(a[j][0], a[j][1], a[j][2], a[j][3]), sc4));
   }
-  for (; i < n; ++i) {  // the last n % 4 keys (every key for G > 4) one at a time
-    const C* krow = kg + slots[i] * D;
-    __m256 a[G];
-    for (int j = 0; j < G; ++j) a[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 k8 = load8(krow + d);
-      for (int j = 0; j < G; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + j * D + d), k8, a[j]);
-    }
-    for (int j = 0; j < G; ++j) scores[j * n + i] = hsum8(a[j]) * scale;
-  }
+  qk_keys_singly<G, C>(qf, kg, slots, i, n, D, scale, scores);  // the last n % 4 (all, G > 4)
 }
 
-// acc_j = sum_i p_j[i] * v_i: G a compile-time constant, so the G accumulators stay in registers.
-// CH chunks of 8 dims at once: each accumulator is a chain of dependent FMAs (one a key), so one
-// chunk of G <= 3 heads kept the FMA units a third busy (latency-bound); CH independent chunks
-// fill them. Every output element still sums its keys in order: the same bits for any CH.
-template <int G, int CH, typename C>
-void pv_chunks(const float* scores, const C* vg, const int64_t* slots, int64_t n, int64_t D,
-               int64_t c, float* acc) {
-  __m256 a[G][CH];
-  for (int j = 0; j < G; ++j)
-    for (int u = 0; u < CH; ++u) a[j][u] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const C* vrow = vg + slots[i] * D + c;
-    if (c == 0 && i + kAheadKeys < n) prefetch_row(vg + slots[i + kAheadKeys] * D, D);
-    __m256 v8[CH];
-    for (int u = 0; u < CH; ++u) v8[u] = load8(vrow + 8 * u);
-    for (int j = 0; j < G; ++j) {
-      const __m256 p = _mm256_set1_ps(scores[j * n + i]);
-      for (int u = 0; u < CH; ++u) a[j][u] = _mm256_fmadd_ps(p, v8[u], a[j][u]);
-    }
-  }
-  for (int j = 0; j < G; ++j)
-    for (int u = 0; u < CH; ++u) _mm256_storeu_ps(acc + j * D + c + 8 * u, a[j][u]);
-}
+// The weighted sums' registers: 8 fp32 lanes (ymm), or 16 (zmm) where the build has AVX-512.
+struct Ymm {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  template <typename C>
+  static V load(const C* p) { return load8(p); }
+};
 
 #ifdef __AVX512F__
 // 16 cache values widened to fp32.
@@ -166,27 +164,44 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// pv_chunks in zmm: CH chunks of 16 dims; each output element the same chain over the keys.
-template <int G, int CH, typename C>
-void pv_chunks_z(const float* scores, const C* vg, const int64_t* slots, int64_t n, int64_t D,
-                 int64_t c, float* acc) {
-  __m512 a[G][CH];
+struct Zmm {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  template <typename C>
+  static V load(const C* p) { return load16(p); }
+};
+#endif
+
+// acc_j = sum_i p_j[i] * v_i over CH chunks of VT::W dims from dim c: G a compile-time constant,
+// so the G x CH accumulators stay in registers. Each accumulator is a chain of dependent FMAs (one
+// a key), so one chunk of G <= 3 heads kept the FMA units a third busy (latency-bound); CH
+// independent chunks fill them. Every output element sums its keys in order: the same bits for
+// any CH and either register width.
+template <typename VT, int G, int CH, typename C>
+void pv_chunks(const float* scores, const C* vg, const int64_t* slots, int64_t n, int64_t D,
+               int64_t c, float* acc) {
+  using V = typename VT::V;
+  constexpr int W = VT::W;
+  V a[G][CH];
   for (int j = 0; j < G; ++j)
-    for (int u = 0; u < CH; ++u) a[j][u] = _mm512_setzero_ps();
+    for (int u = 0; u < CH; ++u) a[j][u] = VT::zero();
   for (int64_t i = 0; i < n; ++i) {
     const C* vrow = vg + slots[i] * D + c;
     if (c == 0 && i + kAheadKeys < n) prefetch_row(vg + slots[i + kAheadKeys] * D, D);
-    __m512 v16[CH];
-    for (int u = 0; u < CH; ++u) v16[u] = load16(vrow + 16 * u);
+    V v[CH];
+    for (int u = 0; u < CH; ++u) v[u] = VT::load(vrow + W * u);
     for (int j = 0; j < G; ++j) {
-      const __m512 p = _mm512_set1_ps(scores[j * n + i]);
-      for (int u = 0; u < CH; ++u) a[j][u] = _mm512_fmadd_ps(p, v16[u], a[j][u]);
+      const V p = VT::set1(scores[j * n + i]);
+      for (int u = 0; u < CH; ++u) a[j][u] = VT::fmadd(p, v[u], a[j][u]);
     }
   }
   for (int j = 0; j < G; ++j)
-    for (int u = 0; u < CH; ++u) _mm512_storeu_ps(acc + j * D + c + 16 * u, a[j][u]);
+    for (int u = 0; u < CH; ++u) VT::store(acc + j * D + c + W * u, a[j][u]);
 }
-#endif
 
 template <int G, typename C>
 void pv_accumulate(const float* scores, const C* vg, const int64_t* slots, int64_t n, int64_t D,
@@ -200,14 +215,14 @@ void pv_accumulate(const float* scores, const C* vg, const int64_t* slots, int64
   int64_t c = 0;
 #ifdef __AVX512F__
   if constexpr (G <= 4) {
-    for (; c + 64 <= D; c += 64) pv_chunks_z<G, 4, C>(scores, vg, slots, n, D, c, acc);
-    for (; c + 16 <= D; c += 16) pv_chunks_z<G, 1, C>(scores, vg, slots, n, D, c, acc);
+    for (; c + 64 <= D; c += 64) pv_chunks<Zmm, G, 4, C>(scores, vg, slots, n, D, c, acc);
+    for (; c + 16 <= D; c += 16) pv_chunks<Zmm, G, 1, C>(scores, vg, slots, n, D, c, acc);
   }
 #endif
-  for (; c + 8 * CH <= D; c += 8 * CH) pv_chunks<G, CH, C>(scores, vg, slots, n, D, c, acc);
+  for (; c + 8 * CH <= D; c += 8 * CH) pv_chunks<Ymm, G, CH, C>(scores, vg, slots, n, D, c, acc);
   if constexpr (CH > 2)
-    for (; c + 16 <= D; c += 16) pv_chunks<G, 2, C>(scores, vg, slots, n, D, c, acc);
-  for (; c < D; c += 8) pv_chunks<G, 1, C>(scores, vg, slots, n, D, c, acc);
+    for (; c + 16 <= D; c += 16) pv_chunks<Ymm, G, 2, C>(scores, vg, slots, n, D, c, acc);
+  for (; c < D; c += 8) pv_chunks<Ymm, G, 1, C>(scores, vg, slots, n, D, c, acc);
 }
 
 // Both for a runtime G in 1..8; false (nothing done) for other G or D % 8 != 0.
@@ -429,21 +444,7 @@ void qk_tile(const float* qf, const C* kg, const int64_t* slots, int64_t n, int6
       _mm_storeu_ps(scores + p * n + i, _mm_mul_ps(hsum8x4(a[0], a[1], a[2], a[3]), sc4));
     }
   }
-  for (; i < n; ++i) {
-    const C* krow = kg + slots[i] * D;
-    if (i + kAheadKeys < n) prefetch_row(kg + slots[i + kAheadKeys] * D, D);
-    __m256 a[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < G; ++j) a[r][j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 k8 = load8(krow + d);
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < G; ++j)
-          a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (r * G + j) * D + d), k8, a[r][j]);
-    }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < G; ++j) scores[(r * G + j) * n + i] = hsum8(a[r][j]) * scale;
-  }
+  qk_keys_singly<PAIRS, C>(qf, kg, slots, i, n, D, scale, scores);  // the last n % 4
 }
 
 // Rows tiled per G: R * G <= 12 accumulators (of 16 registers). 0: G not tiled (scalar path).
