@@ -1133,8 +1133,8 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
 
 // Bit-plane kinds (kQ5, kQ6, kQ3): load j's quants of both halves rebuilt from the planes as u8,
 // then kQ4's dots (kQ5) or kQ8's (kQ6, kQ3: two scales, the offset taken back off in integers).
-// AVX2 keeps int16 pair sums while they fit (4 loads x 2 * 31 * 127 for kQ5) and widens every load
-// for kQ6 (2 * 63 * 127 a pair).
+// AVX2 keeps int16 pair sums while they fit (4 loads x 2 * 31 * 127 for kQ5) and widens kQ6's
+// every two loads (2 * 63 * 127 a pair).
 template <int MR, int P, int64_t KIND, bool SB = false, typename V = VY>
 void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x,
                 typename V::F (*acc)[MR], const float* const* fs = nullptr) {
@@ -1149,6 +1149,13 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
   constexpr int offset = KIND == kQ6 ? 32 : KIND == kQ3 ? 4 : 0;
   constexpr bool wide = KIND == kQ6;
   (void)wide;
+  // loads of quants a pass: AVX2 adds kQ6's int16 pair sums of two loads (2 * 2 * 63 * 127 fit
+  // int16; |activation q| <= 127) before widening them, half the widenings of one a load
+#ifdef CONVOY_VNNI
+  constexpr int kLoads = 1;
+#else
+  constexpr int kLoads = wide ? 2 : 1;
+#endif
   const I low = V::bytes(0x0F);
   const I bit4 = V::bytes(0x10), bits45 = V::bytes(0x30);
   const I bits01 = V::bytes(0x03), bit2 = V::bytes(0x04);
@@ -1183,32 +1190,37 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
       }
       for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = V::zero();
     }
-    for (int j = 0; j < 4; ++j) {
-      I w[P][2];
-      for (int p = 0; p < P; ++p) {
-        if constexpr (KIND == kQ3) {
-          const I one = V::load(at, p, kPlane2Bytes);
-          for (int h = 0; h < 2; ++h)
-            w[p][h] = V::or_(V::and_(V::move_bits(plane[p][h], 2 * j, 0), bits01),
-                             V::and_(V::move_bits(one, 4 * h + j, 2), bit2));
-        } else {
-          const I raw = V::load(at, p, 32 * j);
-          const I nib[2] = {V::and_(raw, low), V::high_nibbles(raw, low)};
-          for (int h = 0; h < 2; ++h) {
-            const I top = KIND == kQ5 ? V::and_(V::move_bits(plane[p][h], 4 * h + j, 4), bit4)
-                                      : V::and_(V::move_bits(plane[p][h], 2 * j, 4), bits45);
-            w[p][h] = V::or_(nib[h], top);
+    for (int j0 = 0; j0 < 4; j0 += kLoads) {
+      I w[kLoads][P][2];
+      for (int u = 0; u < kLoads; ++u)
+        for (int p = 0; p < P; ++p) {
+          const int j = j0 + u;
+          if constexpr (KIND == kQ3) {
+            const I one = V::load(at, p, kPlane2Bytes);
+            for (int h = 0; h < 2; ++h)
+              w[u][p][h] = V::or_(V::and_(V::move_bits(plane[p][h], 2 * j, 0), bits01),
+                                  V::and_(V::move_bits(one, 4 * h + j, 2), bit2));
+          } else {
+            const I raw = V::load(at, p, 32 * j);
+            const I nib[2] = {V::and_(raw, low), V::high_nibbles(raw, low)};
+            for (int h = 0; h < 2; ++h) {
+              const I top = KIND == kQ5 ? V::and_(V::move_bits(plane[p][h], 4 * h + j, 4), bit4)
+                                        : V::and_(V::move_bits(plane[p][h], 2 * j, 4), bits45);
+              w[u][p][h] = V::or_(nib[h], top);
+            }
           }
         }
-      }
       for (int i = 0; i < MR; ++i) {
-        const int8_t* xs[2] = {x[i][b].q + 4 * j, x[i][b].q + 16 + 4 * j};
+        const int8_t* xq = x[i][b].q + 4 * j0;  // + 16 for the second half
         for (int p = 0; p < P; ++p)
           for (int h = 0; h < 2; ++h) {
 #ifdef CONVOY_VNNI
-            isum[p][h * H1][i] = V::dot(isum[p][h * H1][i], w[p][h], xs[h]);
-#else  // AVX2 keeps int16 pair sums while they fit, and widens every load for kQ6
-            const __m256i prod = _mm256_maddubs_epi16(w[p][h], bcast4(xs[h]));
+            isum[p][h * H1][i] = V::dot(isum[p][h * H1][i], w[0][p][h], xq + 16 * h);
+#else  // AVX2 keeps int16 pair sums while they fit: kQ5 over the block, kQ6 over two loads
+            __m256i prod = _mm256_maddubs_epi16(w[0][p][h], bcast4(xq + 16 * h));
+            for (int u = 1; u < kLoads; ++u)
+              prod = _mm256_add_epi16(
+                  prod, _mm256_maddubs_epi16(w[u][p][h], bcast4(xq + 16 * h + 4 * u)));
             isum[p][h][i] = wide ? _mm256_add_epi32(isum[p][h][i], _mm256_madd_epi16(prod, ones))
                                  : _mm256_add_epi16(isum[p][h][i], prod);
 #endif
