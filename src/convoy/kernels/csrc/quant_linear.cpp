@@ -1370,6 +1370,14 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
 // at a time; Gemma's head at 16 rows 16.9-17.4 ms either way). CONVOY_CPU_ZMM=0 keeps 32.
 constexpr int64_t kPairMinRows = 32, kZmmMinRows = 16;
 inline int64_t pair_min_rows(bool zmm) { return zmm ? kZmmMinRows : kPairMinRows; }
+// Rows from which a superblock-scaled kind's block scales are computed in a pass of their own
+// before the row tiles (which then read them) rather than in each tile. The pass is the first to
+// touch a panel, its loads of superblock headers miss one after another, and below 32 rows the
+// tiles that follow do not make up for it: zmm tiles at 16 rows, 16 streams of decode, 1B / 3B
+// Q4_K_M 163 -> 178 / 61 -> 68 tok/s computing them in the tiles (2-core Xeon, alternating runs;
+// `perf` put 15% of the step on the pass's first header load); 32 rows even, 64 rows 3% better
+// with the pass. AVX2 tiles reach it at 32 rows as before (kPairMinRows).
+constexpr int64_t kPrecomputeMinRows = 32;
 
 // Whether zmm tiles run (VZ); CONVOY_CPU_ZMM=0 says no, for an A/B in one process (read once a
 // call of a linear or an experts' pass: the results are the same bits either way)
@@ -1516,9 +1524,8 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
     const auto run_panels = [&](int64_t kind, int64_t g0, int64_t g1, float* dst, int64_t ld,
                                 int64_t col0) {
       // Many rows of a superblock-scaled kind: each panel's block scales computed once for all
-      // the row tiles (each would compute them again; below kPairMinRows rows a separate pass
-      // over the scales cost more than it saved)
-      const bool precompute = many && sb_kind(kind);
+      // the row tiles (each would compute them again), from kPrecomputeMinRows rows
+      const bool precompute = m1 - m0 >= kPrecomputeMinRows && sb_kind(kind);
       const ActBlock* rows[kMR];
       const uint8_t* wg[kP];
       std::vector<float> scales(precompute ? static_cast<size_t>(kP * 16 * nb) : 0);
