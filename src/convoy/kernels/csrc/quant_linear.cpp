@@ -775,7 +775,9 @@ inline void prefetch_ahead(const uint8_t* blk) {
 // regroup the sums. Without it GCC computed a 4-row tile's products of a whole block first, kept
 // them on the stack and added them after (integer adds regroup freely), ~30 spills a block: the
 // 3B Q4_K_M file's o_proj (Q4_K) at 64 rows on one thread ran at 65 GMAC/s, with it 94. Integer
-// sums are exact: the same bits either way.
+// sums are exact: the same bits either way. Used by the 4-bit and bit-plane tiles; the int8
+// tiles (panel_q8, whose sign trick widens every product at once) ran slower with it (the 3B
+// IQ4_XS file's linears at 16 rows 94-98 -> 82 GMAC/s), so they go without.
 template <typename T>
 inline void in_register(T& v) {
   asm("" : "+x"(v));
@@ -1116,7 +1118,6 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
             const __m256i prod =
                 _mm256_maddubs_epi16(_mm256_abs_epi8(w[p]), _mm256_sign_epi8(bcast4(xb), w[p]));
             isum[p][h][i] = _mm256_add_epi32(isum[p][h][i], _mm256_madd_epi16(prod, ones));
-            in_register(isum[p][h][i]);
 #endif
           }
         }
