@@ -697,6 +697,9 @@ struct ActBlock {
   float s;         // d * sum(q)
   int32_t sa, sb;  // sum(q[0..15]), sum(q[16..31])
   float s0, s1;    // d * sa, d * sb
+  // 32 * sa, 32 * sb: kQ6's stored offset off its halves' dots, broadcast straight from memory
+  // (from sa it was a shift, a move to a vector register and a broadcast, on the shuffle port)
+  int32_t oa, ob;
 };
 
 void quantize_row(const float* x, ActBlock* out, int64_t nb) {
@@ -744,6 +747,8 @@ void quantize_row(const float* x, ActBlock* out, int64_t nb) {
     o.s = d * static_cast<float>(sa + sb);
     o.s0 = d * static_cast<float>(sa);
     o.s1 = d * static_cast<float>(sb);
+    o.oa = 32 * sa;
+    o.ob = 32 * sb;
   }
 }
 
@@ -1282,7 +1287,8 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
         } else {
           for (int h = 0; h < 2; ++h) {
             const int32_t xsum = h == 0 ? x[i][b].sa : x[i][b].sb;
-            const I d = V::sub32(dot[h], offset * xsum);
+            const int32_t off = KIND == kQ6 ? (h == 0 ? x[i][b].oa : x[i][b].ob) : offset * xsum;
+            const I d = V::sub32(dot[h], off);
             acc[p][i] = V::fmadd(V::mul(sc[h], dx), V::cvt(d), acc[p][i]);
           }
         }
