@@ -15,7 +15,7 @@
 //   c++ -O3 -mavx2 -mfma -mf16c bench/sb_sums_spike.cpp -o /tmp/sb_sums_spike
 //   /tmp/sb_sums_spike 16 && /tmp/sb_sums_spike 64
 //
-// Measured 2026-12-07 on a 2-core Xeon VM (AVX2 code, one thread): 16 rows 1.00x, 64 rows
+// Measured 2026-12-07 on a 2-core Xeon VM (AVX2 code, one thread): 16 rows 1.00-1.04x, 64 rows
 // 1.04-1.11x; figures in bench/README.md ("What one activation scale per 256 would cost").
 #include <immintrin.h>
 #include <chrono>
@@ -102,6 +102,20 @@ int main(int argc, char** argv) {
   std::vector<float> out_a((size_t)M * N), out_b((size_t)M * N);
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
 
+  // one block's int16 pair sums of a 4-row tile (the same in both): 8 maddubs a row, in order
+  auto block_dots = [&](const uint8_t* pw, int b, const std::vector<int8_t>& q, int m0, __m256i* is) {
+    for (int i = 0; i < MR; ++i) is[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 128 * b + 32 * j));
+      const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* xq = &q[(size_t)(m0 + i) * K + 32 * b];
+        is[i] = _mm256_add_epi16(is[i], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
+        is[i] = _mm256_add_epi16(is[i], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
+      }
+    }
+  };
+
   auto today = [&] {
     for (int g = 0; g < G; ++g) {
       const uint8_t* pw = &w[(size_t)g * NB * 128];
@@ -111,16 +125,7 @@ int main(int argc, char** argv) {
         for (auto& a : acc) a = _mm256_setzero_ps();
         for (int b = 0; b < NB; ++b) {
           __m256i is[MR];
-          for (auto& v : is) v = _mm256_setzero_si256();
-          for (int j = 0; j < 4; ++j) {
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 128 * b + 32 * j));
-            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-            for (int i = 0; i < MR; ++i) {
-              const int8_t* xq = &q32[(size_t)(m0 + i) * K + 32 * b];
-              is[i] = _mm256_add_epi16(is[i], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
-              is[i] = _mm256_add_epi16(is[i], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
-            }
-          }
+          block_dots(pw, b, q32, m0, is);
           const __m256 d = _mm256_loadu_ps(fs + 16 * b), mv = _mm256_loadu_ps(fs + 16 * b + 8);
           for (int i = 0; i < MR; ++i) {
             const size_t a = (size_t)(m0 + i) * NB + b;
@@ -145,16 +150,7 @@ int main(int argc, char** argv) {
           for (auto& v : isb) v = _mm256_setzero_si256();
           for (int b = 8 * s; b < 8 * s + 8; ++b) {
             __m256i is[MR];
-            for (auto& v : is) v = _mm256_setzero_si256();
-            for (int j = 0; j < 4; ++j) {
-              const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + 128 * b + 32 * j));
-              const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-              for (int i = 0; i < MR; ++i) {
-                const int8_t* xq = &q256[(size_t)(m0 + i) * K + 32 * b];
-                is[i] = _mm256_add_epi16(is[i], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
-                is[i] = _mm256_add_epi16(is[i], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
-              }
-            }
+            block_dots(pw, b, q256, m0, is);
             const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&sc16[((size_t)g * NB + b) * 16]));
             for (int i = 0; i < MR; ++i) isb[i] = _mm256_add_epi32(isb[i], _mm256_madd_epi16(is[i], scv));
           }

@@ -697,8 +697,9 @@ struct ActBlock {
   float s;         // d * sum(q)
   int32_t sa, sb;  // sum(q[0..15]), sum(q[16..31])
   float s0, s1;    // d * sa, d * sb
-  // 32 * sa, 32 * sb: kQ6's stored offset off its halves' dots, broadcast straight from memory
-  // (from sa it was a shift, a move to a vector register and a broadcast, on the shuffle port)
+  // 32 * sa, 32 * sb: kQ6's stored offset (plane_offset) off its halves' dots, broadcast straight
+  // from memory (from sa it was a shift, a move to a vector register and a broadcast, on the
+  // shuffle port)
   int32_t oa, ob;
 };
 
@@ -747,8 +748,8 @@ void quantize_row(const float* x, ActBlock* out, int64_t nb) {
     o.s = d * static_cast<float>(sa + sb);
     o.s0 = d * static_cast<float>(sa);
     o.s1 = d * static_cast<float>(sb);
-    o.oa = 32 * sa;
-    o.ob = 32 * sb;
+    o.oa = plane_offset(kQ6) * sa;
+    o.ob = plane_offset(kQ6) * sb;
   }
 }
 
@@ -1286,8 +1287,9 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
           }
         } else {
           for (int h = 0; h < 2; ++h) {
-            const int32_t xsum = h == 0 ? x[i][b].sa : x[i][b].sb;
-            const int32_t off = KIND == kQ6 ? (h == 0 ? x[i][b].oa : x[i][b].ob) : offset * xsum;
+            const ActBlock& a = x[i][b];
+            const int32_t off = KIND == kQ6 ? (h == 0 ? a.oa : a.ob)
+                                            : offset * (h == 0 ? a.sa : a.sb);
             const I d = V::sub32(dot[h], off);
             acc[p][i] = V::fmadd(V::mul(sc[h], dx), V::cvt(d), acc[p][i]);
           }
