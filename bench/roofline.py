@@ -18,7 +18,8 @@ A server's share of a roofline is its measured tokens/s over it.
 With --by-isa, the int8 MAC peak is measured once per instruction set oneDNN can use on this CPU
 (`ONEDNN_MAX_CPU_ISA` in a fresh process each: AVX2's `vpmaddubsw`, AVX-VNNI, AVX-512 VNNI, AMX),
 and with --rows / --streams Convoy's own kernels are measured beside them, once per kernel build
-(`CONVOY_CPU_ISA`: the AVX2 build and, where the CPU has it, the AVX-512 VNNI one), each against
+(`CONVOY_CPU_ISA`: the AVX2 build and, where the CPU has them, the AVX-VNNI and AVX-512 VNNI
+ones), each against
 the oneDNN peak of its own instruction set:
 - --rows 16,64: the quantized linears of two decoder layers of each file at that many rows, GMAC/s;
 - --streams 16: greedy decode of that many streams of each file (decode only: the time of 65
@@ -91,7 +92,7 @@ def per_token(path: Path) -> tuple[int, int]:
 # build that runs on the same instructions
 ONEDNN_ISAS = (
     ("AVX2", {"avx2"}, "avx2"),
-    ("AVX2_VNNI", {"avx2", "avx_vnni"}, None),
+    ("AVX2_VNNI", {"avx2", "avx_vnni"}, "avxvnni"),
     ("AVX512_CORE_VNNI", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx512vnni"),
     ("AVX512_CORE_AMX", {"amx_int8", "amx_tile"}, None),
 )

@@ -258,3 +258,22 @@ def test_a_build_killed_while_holding_the_lock_blocks_no_one(tmp_path) -> None:
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize(
+    ("cap", "flags", "isa"),
+    [
+        ("AVX512", {"avx512_vnni", "avx512vl", "avx512bw", "avx_vnni"}, "avx512vnni"),
+        ("AVX512", {"avx512vl", "avx512bw"}, "avx512"),
+        ("AVX2", {"avx2", "avx_vnni"}, "avxvnni"),
+        ("AVX2", {"avx2"}, "avx2"),
+        ("DEFAULT", set(), "generic"),
+    ],
+)
+def test_the_build_follows_the_cpu(monkeypatch, cap: str, flags: set, isa: str) -> None:
+    """The kernels are built for the best instruction set the CPU has: AVX-VNNI's dot products
+    where a CPU without AVX-512 has them."""
+    monkeypatch.delenv(builder.ISA_ENV, raising=False)
+    monkeypatch.setattr(builder.torch.backends.cpu, "get_cpu_capability", lambda: cap)
+    monkeypatch.setattr(builder, "_cpu_flags", lambda: flags)
+    assert builder.isa() == isa

@@ -361,6 +361,21 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
     _assert_same_bits_when_built_for("avx2", cases, tmp_path)
 
 
+@pytest.mark.skipif(builder.isa() == "avxvnni", reason="this host's build is the AVX-VNNI one")
+def test_the_avx_vnni_build_gives_the_same_bits(tmp_path: Path) -> None:
+    """AVX-VNNI (Intel's cores without AVX-512, from Alder Lake on) runs the integer dots as ymm
+    vpdpbusd in AVX2's register tiles: the same bits as this host's build."""
+    if "avx_vnni" not in builder._cpu_flags():
+        pytest.skip("this CPU has no AVX-VNNI")
+    cases = []
+    for i, qtype in enumerate([T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *NEWER]):
+        blocks, _ = _blocks(21, 256, qtype, seed=30 + i)
+        cases.append((int(qtype), blocks, 256, torch.randn(9, 256)))
+    cases += _base_kind_cases()
+    cases += _many_row_cases()
+    _assert_same_bits_when_built_for("avxvnni", cases, tmp_path)
+
+
 def _many_row_cases() -> list:
     """Enough rows and panels for the compute-bound tiles (zmm tiles of four panels where the
     host has AVX-512 VNNI), with a part-filled last group: 61 outputs are 8 panels, the last one

@@ -260,6 +260,7 @@ ISA_ENV = "CONVOY_CPU_ISA"  # force an instruction set (a lower one, to test its
 _ISA_FLAGS = {
     "avx512vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
+    "avxvnni": ["-mavxvnni", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
 }  # fmt: skip
@@ -288,6 +289,9 @@ def _arch_flags() -> tuple[str, list[str]]:
             return "avx512vnni", _ISA_FLAGS["avx512vnni"]
         return "avx512", _ISA_FLAGS["avx512"]
     if cap == "AVX2":
+        # AVX-VNNI: the ymm vpdpbusd of Intel's cores without AVX-512 (Alder Lake on)
+        if "avx_vnni" in _cpu_flags():
+            return "avxvnni", _ISA_FLAGS["avxvnni"]
         return "avx2", _ISA_FLAGS["avx2"]
     return "generic", []
 

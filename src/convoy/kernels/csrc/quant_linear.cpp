@@ -68,8 +68,16 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CONVOY_AVX2 1
 #endif
+// CONVOY_DPBUSD: the integer dots are vpdpbusd (u8 x s8, four products and the sum into an int32
+// lane, one instruction) on ymm: AVX-512 VNNI with VL, or AVX-VNNI (the VEX form: Intel's cores
+// from Alder Lake on, which lack AVX-512, and Zen 5). CONVOY_VNNI: besides, AVX-512's 32 vector
+// registers, so the tiles take two panels at once. Without DPBUSD, AVX2's maddubs + madd pairs.
+// The integer sums are exact either way: every build gives the same bits.
 #if defined(CONVOY_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define CONVOY_VNNI 1
+#define CONVOY_DPBUSD 1
+#elif defined(CONVOY_AVX2) && defined(__AVXVNNI__)
+#define CONVOY_DPBUSD 1
 #endif
 #if defined(CONVOY_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define CONVOY_ZMM 1  // many-row tiles run two panels a zmm (VZ below)
@@ -862,6 +870,8 @@ struct VY {
   }
 #ifdef CONVOY_VNNI
   static I dot(I acc, I w, const int8_t* x) { return _mm256_dpbusd_epi32(acc, w, bcast4(x)); }
+#elif defined(CONVOY_DPBUSD)
+  static I dot(I acc, I w, const int8_t* x) { return _mm256_dpbusd_avx_epi32(acc, w, bcast4(x)); }
 #endif
   static F fzero() { return _mm256_setzero_ps(); }
   static F set1(float f) { return _mm256_set1_ps(f); }
@@ -973,7 +983,7 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
   constexpr int64_t bsz = SB ? 128 : TWO ? 192 : 160;
   constexpr int64_t stride = SB ? bsz + kSbHeader / kSuperBlocks : bsz;  // on average
   const I low = V::bytes(0x0F);
-#ifndef CONVOY_VNNI
+#ifndef CONVOY_DPBUSD
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   // SB: the superblock's d and dmin kept in registers where the tile leaves them free
@@ -1003,7 +1013,7 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
       for (int i = 0; i < MR; ++i) {
         const int8_t *xl = x[i][b].q + 4 * j, *xh = x[i][b].q + 16 + 4 * j;
         for (int p = 0; p < P; ++p) {
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_DPBUSD
           isum[p][0][i] = V::dot(isum[p][0][i], lo[p], xl);
           isum[p][H1][i] = V::dot(isum[p][H1][i], hi[p], xh);
 #else  // |pair sums| <= 2 * 15 * 127: eight of them fit int16
@@ -1021,7 +1031,7 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
         const F d0 = V::half8(at, p, 128), d1 = V::half8(at, p, 144);
         const F m0 = V::half8(at, p, 160), m1 = V::half8(at, p, 176);
         for (int i = 0; i < MR; ++i) {
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_DPBUSD
           const I dot0 = isum[p][0][i], dot1 = isum[p][1][i];
 #else
           const __m256i dot0 = _mm256_madd_epi16(isum[p][0][i], ones);
@@ -1050,7 +1060,7 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
         m = V::half8(at, p, 144);
       }
       for (int i = 0; i < MR; ++i) {
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_DPBUSD
         const I dot = H1 == 0 ? isum[p][0][i] : V::add32(isum[p][0][i], isum[p][1][i]);
 #else
         const __m256i dot = _mm256_madd_epi16(isum[p][0][i], ones);
@@ -1084,7 +1094,7 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
   const I lut = V::codebook();
   (void)low;
   (void)lut;
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_DPBUSD
   const I flip = V::bytes(static_cast<char>(0x80));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
@@ -1111,14 +1121,14 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
           } else {
             w[p] = V::load(at, p, 32 * kk);
           }
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_DPBUSD
           w[p] = V::xor_(w[p], flip);  // w + 128 as u8; corrected below
 #endif
         }
         for (int i = 0; i < MR; ++i) {
           const int8_t* xb = x[i][b].q + 4 * kk;
           for (int p = 0; p < P; ++p) {
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_DPBUSD
             isum[p][h * H1][i] = V::dot(isum[p][h * H1][i], w[p], xb);
 #else  // maddubs takes u8 x s8: |w| times x with w's sign
             const __m256i prod =
@@ -1136,7 +1146,7 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
           I dot = !SINGLE ? isum[p][h][i]
                   : H1 == 0 ? isum[p][0][i]
                             : V::add32(isum[p][0][i], isum[p][1][i]);
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_DPBUSD
           const int32_t xs = SINGLE ? x[i][b].sa + x[i][b].sb : h == 0 ? x[i][b].sa : x[i][b].sb;
           dot = V::sub32(dot, 128 * xs);
 #endif
@@ -1171,7 +1181,7 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
   (void)wide;
   // loads of quants a pass: AVX2 adds kQ6's int16 pair sums of two loads (2 * 2 * 63 * 127 fit
   // int16; |activation q| <= 127) before widening them, half the widenings of one a load
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_DPBUSD
   constexpr int kLoads = 1;
 #else
   constexpr int kLoads = wide ? 2 : 1;
@@ -1179,7 +1189,7 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
   const I low = V::bytes(0x0F);
   const I bit4 = V::bytes(0x10), bits45 = V::bytes(0x30);
   const I bits01 = V::bytes(0x03), bit2 = V::bytes(0x04);
-#ifndef CONVOY_VNNI
+#ifndef CONVOY_DPBUSD
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   // SB: the superblock's d (and dmin) kept in registers where the tile leaves them free
@@ -1234,7 +1244,7 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
         const int8_t* xq = x[i][b].q + 4 * j0;  // + 16 for the second half
         for (int p = 0; p < P; ++p)
           for (int h = 0; h < 2; ++h) {
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_DPBUSD
             isum[p][h * H1][i] = V::dot(isum[p][h * H1][i], w[0][p][h], xq + 16 * h);
 #else  // AVX2 keeps int16 pair sums while they fit: kQ5 over the block, kQ6 over two loads
             __m256i prod = _mm256_maddubs_epi16(w[0][p][h], bcast4(xq + 16 * h));
@@ -1270,7 +1280,7 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
       for (int i = 0; i < MR; ++i) {
         I dot[2];
         for (int h = 0; h < 2; ++h) {
-#ifdef CONVOY_VNNI
+#ifdef CONVOY_DPBUSD
           dot[h] = isum[p][h][i];
 #else
           dot[h] = wide ? isum[p][h][i] : _mm256_madd_epi16(isum[p][h][i], ones);
