@@ -138,23 +138,56 @@ def drop_mapped_pages(path: Path) -> int:
     again is mapped back from the page cache. A load calls this after each module it repacked,
     so the file's pages and their repacked copies are not resident together (Linux only; a no-op
     elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    target = str(Path(path).resolve())
-    spans = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].rstrip("\n") == target and "w" not in fields[1]:
-                    start, end = (int(x, 16) for x in fields[0].split("-"))
-                    spans.append((start, end - start))
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return 0
-    for start, length in spans:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED)
-    return sum(length for _, length in spans)
+    pages = MappedPages(path)
+    for start, length in pages.spans:
+        pages.drop(start, length)
+    return sum(length for _, length in pages.spans)
+
+
+class MappedPages:
+    """This process's read-only mappings of one file (from /proc/self/maps, when made), whose
+    pages can be dropped from the resident set as above: all of them, or the pages under one
+    tensor (`release`: a module repacked piece by piece, an expert at a time, lets each piece's
+    pages go at once). Memory outside these mappings is never touched. Linux only; elsewhere
+    it knows no mapping and drops nothing."""
+
+    def __init__(self, path: Path) -> None:
+        self.spans: list[tuple[int, int]] = []
+        self._libc: Any = None
+        if not sys.platform.startswith("linux"):
+            return
+        target = str(Path(path).resolve())
+        try:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if (
+                        len(fields) == 6
+                        and fields[5].rstrip("\n") == target
+                        and "w" not in fields[1]
+                    ):
+                        start, end = (int(x, 16) for x in fields[0].split("-"))
+                        self.spans.append((start, end - start))
+            self._libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        except OSError:
+            self.spans = []
+
+    def drop(self, start: int, length: int) -> None:
+        if self._libc is not None and length > 0:
+            self._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED)
+
+    def release(self, tensor: Any) -> None:
+        """Drop the whole pages under `tensor`'s bytes (a contiguous view of the file's mapping)
+        that lie in one of the file's mappings; nothing where it is other memory."""
+        lo = tensor.data_ptr()
+        hi = lo + tensor.numel() * tensor.element_size()
+        for start, length in self.spans:
+            a = max(lo + _PAGE - 1, start) // _PAGE * _PAGE
+            b = min(hi, start + length) // _PAGE * _PAGE
+            self.drop(a, b - a)
+
+
+_PAGE = 4096
 
 
 def _string(data: np.ndarray, off: int) -> tuple[str, int]:

@@ -31,7 +31,7 @@ from convoy.kernels.linear import (
     use_quantized,
 )
 from convoy.models.gguf_convert import CONFIG_TENSORS, ModelLoadError, field, hf_tensor_name
-from convoy.models.gguf_index import drop_mapped_pages, read_gguf_index
+from convoy.models.gguf_index import MappedPages, drop_mapped_pages, read_gguf_index
 from convoy.models.gguf_quant import quantized_linears
 from convoy.models.layers import CausalLM, QuantEmbedding
 from convoy.models.moe import Experts, QuantExperts
@@ -116,7 +116,8 @@ def _load_quantized(
         gate_up, down = experts.pop(name)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, QuantExperts(
-            gate_up, down, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act
+            gate_up, down, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act,
+            release=MappedPages(path).release,
         ))  # fmt: skip
         del gate_up, down
         drop_mapped_pages(path)

@@ -100,8 +100,18 @@ class QuantExperts(nn.Module):
     panel_attrs = ("gate_up", "down")  # kernels.linear.gather_in_huge_pages moves them
 
     def __init__(
-        self, gate_up: QuantParts, down: QuantParts, hidden: int, intermediate: int, act: str
+        self,
+        gate_up: QuantParts,
+        down: QuantParts,
+        hidden: int,
+        intermediate: int,
+        act: str,
+        release: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
+        """`release`, where given, is called with each expert's blocks (of each part) once they
+        are packed: the loader drops their pages of the mapped file then, so a layer's experts
+        are never resident twice (kernels.linear.gather_in_huge_pages does the same for the
+        panels' move)."""
         super().__init__()
         act_id = native_activation(act)
         if act_id is None:
@@ -113,8 +123,8 @@ class QuantExperts(nn.Module):
         self.gate_up_kind = panel_kind([q for q, _ in gate_up])
         self.down_kind = panel_kind([q for q, _ in down])
         self.qtypes = tuple(q for q, _ in (*gate_up, *down))
-        self.gate_up = _pack_experts(gate_up, self.gate_up_kind, hidden)
-        self.down = _pack_experts(down, self.down_kind, intermediate)
+        self.gate_up = _pack_experts(gate_up, self.gate_up_kind, hidden, release)
+        self.down = _pack_experts(down, self.down_kind, intermediate, release)
         self.gate_up_panels = self.gate_up.shape[0] // self.num_experts
         self.down_panels = self.down.shape[0] // self.num_experts
 
@@ -162,8 +172,14 @@ class QuantExperts(nn.Module):
         )
 
 
-def _pack_experts(parts: QuantParts, kind: int, in_features: int) -> torch.Tensor:
-    """(E, rows, bytes) blocks of each part -> every expert's panels, parts joined, stacked."""
+def _pack_experts(
+    parts: QuantParts,
+    kind: int,
+    in_features: int,
+    release: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """(E, rows, bytes) blocks of each part -> every expert's panels, parts joined, stacked;
+    `release(blocks[e])` after each expert's part is packed."""
     out: torch.Tensor | None = None
     experts, row = int(parts[0][1].shape[0]), 0
     for e in range(experts):  # packed into one buffer as it goes: no second copy of the layer
@@ -174,6 +190,8 @@ def _pack_experts(parts: QuantParts, kind: int, in_features: int) -> torch.Tenso
                                    *one.shape[1:]), dtype=one.dtype)  # fmt: skip
             out[row : row + one.shape[0]] = one
             row += one.shape[0]
+            if release is not None:
+                release(blocks[e])
     assert out is not None and row == out.shape[0]
     return out
 
