@@ -276,4 +276,26 @@ def test_the_build_follows_the_cpu(monkeypatch, cap: str, flags: set, isa: str) 
     monkeypatch.delenv(builder.ISA_ENV, raising=False)
     monkeypatch.setattr(builder.torch.backends.cpu, "get_cpu_capability", lambda: cap)
     monkeypatch.setattr(builder, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(builder, "_compiles_avx_vnni", lambda cxx: True)
     assert builder.isa() == isa
+
+
+def test_a_compiler_without_avx_vnni_builds_the_avx2_kernels(tmp_path, monkeypatch) -> None:
+    """An AVX-VNNI CPU with a compiler that lacks -mavxvnni (GCC before 11) gets the AVX2 build,
+    not a failed one; a compiler that has it, the AVX-VNNI build."""
+    if not builder.has_compiler():
+        pytest.skip("no C++ compiler")
+    real = builder._compiler()
+    old = tmp_path / "old-c++"
+    old.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = -mavxvnni ] && { echo "unknown option" >&2; exit 1; }; done\n'
+        f'exec {real} "$@"\n'
+    )
+    old.chmod(0o755)
+    monkeypatch.delenv(builder.ISA_ENV, raising=False)
+    monkeypatch.setattr(builder.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(builder, "_cpu_flags", lambda: {"avx2", "avx_vnni"})
+    monkeypatch.setenv("CXX", str(old))
+    assert builder.isa() == "avx2"
+    monkeypatch.setenv("CXX", str(real))
+    assert builder.isa() == "avxvnni"

@@ -26,6 +26,7 @@ import platform
 import secrets
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -289,11 +290,36 @@ def _arch_flags() -> tuple[str, list[str]]:
             return "avx512vnni", _ISA_FLAGS["avx512vnni"]
         return "avx512", _ISA_FLAGS["avx512"]
     if cap == "AVX2":
-        # AVX-VNNI: the ymm vpdpbusd of Intel's cores without AVX-512 (Alder Lake on)
-        if "avx_vnni" in _cpu_flags():
+        # AVX-VNNI: the ymm vpdpbusd of Intel's cores without AVX-512 (Alder Lake on), where the
+        # compiler has it too (GCC 11, clang 12; an older one builds the AVX2 kernels as before)
+        if "avx_vnni" in _cpu_flags() and _compiles_avx_vnni(_compiler()):
             return "avxvnni", _ISA_FLAGS["avxvnni"]
         return "avx2", _ISA_FLAGS["avx2"]
     return "generic", []
+
+
+_AVX_VNNI_PROBE = """#include <immintrin.h>
+__m256i f(__m256i a, __m256i b, __m256i c) { return _mm256_dpbusd_avx_epi32(a, b, c); }
+"""
+
+
+@functools.lru_cache(maxsize=8)
+def _compiles_avx_vnni(cxx: str | None) -> bool:
+    """Whether the compiler `cxx` builds AVX-VNNI's intrinsic (once a compiler a process)."""
+    if cxx is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text(_AVX_VNNI_PROBE)
+        obj = str(Path(tmp) / "probe.o")
+        cmd = [*shlex.split(cxx), *_ISA_FLAGS["avxvnni"], "-c", str(src), "-o", obj]
+        try:
+            done = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return False
+    if done.returncode:
+        logger.info("%s cannot build AVX-VNNI code: the kernels are built for AVX2", cxx)
+    return done.returncode == 0
 
 
 def isa() -> str:
