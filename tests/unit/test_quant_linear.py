@@ -36,6 +36,7 @@ from convoy.kernels.ops import (
     QUANT_KIND_Q8,
     QUANT_KIND_Q8M,
     QUANT_KIND_Q8S,
+    QUANT_KIND_Q40,
     quant_linear,
     quant_pack,
 )
@@ -291,6 +292,34 @@ def test_superblock_scaled_panels_are_as_narrow_as_the_file(
     with pytest.raises(RuntimeError, match="holds its own K-quant type only"):
         quant_pack(_blocks(8, k, T.Q4_K if qtype != T.Q4_K else T.Q6_K, seed=1)[0],
                    int(T.Q4_K if qtype != T.Q4_K else T.Q6_K), kind, k)  # fmt: skip
+
+
+def test_q4_0_alone_is_as_narrow_as_the_file_with_kq4s_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_0 alone packs into 18 bytes a row's block, as the file (kQ4 stores its offset -8 d
+    too: 20), and computes that offset in the tile: kQ4's bits at every row count (one row, a
+    register tile, pairs and zmm tiles), in the dequantized rows, in a join and in experts."""
+    n, k = 45, 768
+    blocks, _ = _blocks(n, k, T.Q4_0, seed=33)
+    assert QuantLinear(blocks, int(T.Q4_0), k, None).panel_kind == QUANT_KIND_Q40
+    assert panel_kind([int(T.Q4_0), int(T.Q4_0)]) == QUANT_KIND_Q40
+    assert panel_kind([int(T.Q4_0), int(T.Q4_1)]) == QUANT_KIND_Q4
+    narrow, wide = (quant_pack(blocks, int(T.Q4_0), kd, k) for kd in (QUANT_KIND_Q40, QUANT_KIND_Q4))
+    elems, nbytes = QUANT_BLOCKS[int(T.Q4_0)]
+    assert narrow.numel() == -(-n // 8) * 8 * k // elems * nbytes
+    assert wide.numel() * 18 == narrow.numel() * 20
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(34))
+    for zmm in ("1", "0"):
+        monkeypatch.setenv("CONVOY_CPU_ZMM", zmm)
+        for m in (1, 3, 4, 16, 17, 40, 70):
+            ya = quant_linear(x[:m], narrow, QUANT_KIND_Q40, n, None)
+            assert torch.equal(ya, quant_linear(x[:m], wide, QUANT_KIND_Q4, n, None)), (zmm, m)
+    ids = torch.arange(n)
+    assert torch.equal(
+        torch.ops.convoy.quant_dequant_rows(narrow, QUANT_KIND_Q40, k, ids),
+        torch.ops.convoy.quant_dequant_rows(wide, QUANT_KIND_Q4, k, ids),
+    )
+    with pytest.raises(RuntimeError, match="offset is not -8 d"):
+        quant_pack(_blocks(8, k, T.Q4_1, seed=35)[0], int(T.Q4_1), QUANT_KIND_Q40, k)
 
 
 def test_bias_and_leading_dims() -> None:

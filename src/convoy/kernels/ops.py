@@ -99,16 +99,19 @@ def bf16_pairs_linear(
 # one scale, 5 = 4-bit quants + two half-block scales and offsets, 6 = 5-bit quants in bit planes +
 # scale + offset, 7 = 6-bit and 8 = 3-bit quants in bit planes + two half-block scales; 9, 10, 11 =
 # 0, 6, 7 with the file's 8-bit sub-block scales and its superblocks' fp16 d (and dmin): Q4_K,
-# Q5_K, Q6_K alone, as narrow as the file) and their (weights, bytes) per GGUF block.
+# Q5_K, Q6_K alone, as narrow as the file; 12 = 0 without the stored offset, which is -8 d: Q4_0
+# alone, 18 bytes a block as the file) and their (weights, bytes) per GGUF block.
 QUANT_KIND_Q4, QUANT_KIND_Q8, QUANT_KIND_Q8M, QUANT_KIND_Q8S = 0, 1, 2, 3
 QUANT_KIND_I4, QUANT_KIND_Q4D, QUANT_KIND_Q5, QUANT_KIND_Q6, QUANT_KIND_Q3 = 4, 5, 6, 7, 8
-QUANT_KIND_Q4K, QUANT_KIND_Q5K, QUANT_KIND_Q6K = 9, 10, 11
-# A superblock-scaled kind in a linear joined with other types: its base kind holds the same
+QUANT_KIND_Q4K, QUANT_KIND_Q5K, QUANT_KIND_Q6K, QUANT_KIND_Q40 = 9, 10, 11, 12
+# A kind of one type alone (superblock-scaled, or Q4_0's without its offset) in a linear joined
+# with other types: its base kind holds the same
 SUPERBLOCK_BASE: dict[int, int] = {
     QUANT_KIND_Q4K: QUANT_KIND_Q4, QUANT_KIND_Q5K: QUANT_KIND_Q5, QUANT_KIND_Q6K: QUANT_KIND_Q6,
+    QUANT_KIND_Q40: QUANT_KIND_Q4,
 }  # fmt: skip
 QUANT_TYPES: dict[int, int] = {
-    2: QUANT_KIND_Q4,  # Q4_0
+    2: QUANT_KIND_Q40,  # Q4_0
     3: QUANT_KIND_Q4,  # Q4_1
     6: QUANT_KIND_Q5,  # Q5_0
     7: QUANT_KIND_Q5,  # Q5_1

@@ -14,6 +14,7 @@
 //   kQ5  (Q5_0, Q5_1, Q5_K, or kQ4):  5-bit q 0..31,     fp16 d, fp16 m          192 B / 8x32
 //   kQ6  (Q6_K, or Q3_K with it):     6-bit q + 32,      fp16 d0, d1 (m = 0)     224 B / 8x32
 //   kQ3  (Q3_K):                      3-bit q + 4,       fp16 d0, d1 (m = 0)     128 B / 8x32
+//   kQ40 (Q4_0 alone):                kQ4's quants, fp16 d (m = -8 d, computed)  144 B / 8x32
 //   kQ4K, kQ5K, kQ6K (Q4_K, Q5_K, Q6_K alone): kQ4's, kQ5's, kQ6's quants, the file's 8-bit
 //                                     scales per block and fp16 d (dmin) per superblock, below
 // (kQ4D: each 16-weight half has its own scale and offset; Q3_K's signed q -4..3 is stored as
@@ -92,7 +93,7 @@ constexpr int64_t kMR = 4;      // activation rows per register tile
 
 enum Kind : int64_t {
   kQ4 = 0, kQ8 = 1, kQ8M = 2, kQ8S = 3, kI4 = 4, kQ4D = 5, kQ5 = 6, kQ6 = 7, kQ3 = 8,
-  kQ4K = 9, kQ5K = 10, kQ6K = 11
+  kQ4K = 9, kQ5K = 10, kQ6K = 11, kQ40 = 12
 };  // fmt: the Python side's QUANT_KIND_* (kernels/ops.py)
 
 // Superblock-scaled kinds (kQ4K, kQ5K, kQ6K: Q4_K, Q5_K, Q6_K alone) keep the file's scales: a
@@ -108,6 +109,8 @@ inline bool sb_kind(int64_t kind) { return kind == kQ4K || kind == kQ5K || kind 
 inline int64_t base_kind(int64_t kind) {
   return kind == kQ4K ? kQ4 : kind == kQ5K ? kQ5 : kind == kQ6K ? kQ6 : kind;
 }
+// kQ40: kQ4 without the stored offset, which is -8 d (exact in fp32: the same value kQ4 would
+// store, as long as 8 d fits fp16)
 constexpr int64_t kSbHeader = 160;  // bytes of a superblock's header
 constexpr int64_t kSbScales = 32, kSbSecond = 96;  // its 8-bit scales' (and mins') offsets
 
@@ -156,6 +159,7 @@ TypeInfo type_info(int64_t t) {
 int64_t kind_block_bytes(int64_t kind) {
   switch (kind) {
     case kQ4: return 4 * 32 + 2 * 16;
+    case kQ40: return 4 * 32 + 16;
     case kQ8: return 8 * 32 + 2 * 16;
     case kQ8M: return 8 * 32 + 3 * 16;
     case kQ8S: return 8 * 32 + 16;
@@ -472,7 +476,7 @@ void pack_planes(const Decoded* rows, int64_t kind, uint8_t* out) {
 void pack_block(const Decoded* rows, int64_t kind, uint8_t* out) {
   if (bit_planes(kind)) return pack_planes(rows, kind, out);
   uint16_t* scales;
-  if (kind == kQ4 || kind == kI4 || kind == kQ4D) {
+  if (kind == kQ4 || kind == kQ40 || kind == kI4 || kind == kQ4D) {
     for (int j = 0; j < 4; ++j)
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < 4; ++t) {
@@ -497,6 +501,9 @@ void pack_block(const Decoded* rows, int64_t kind, uint8_t* out) {
       TORCH_CHECK(o.d0 == o.d1 && o.m == o.m1, "4-bit panel: one scale and offset per block");
       if (kind == kQ4) {
         scales[R + r] = float_to_half(o.m);
+      } else if (kind == kQ40) {
+        TORCH_CHECK(o.m == -8.f * o.d0, "Q4_0 panel: the offset is not -8 d");
+        float_to_half(o.m);  // in fp16 range, as kQ4 would store it
       } else {
         TORCH_CHECK(o.m == 0.f, "IQ4 panel: the type has an offset");
       }
@@ -589,13 +596,13 @@ at::Tensor quant_pack(const at::Tensor& blocks, int64_t qtype, int64_t kind, int
 
 inline bool four_bit(int64_t kind) {
   kind = base_kind(kind);
-  return kind == kQ4 || kind == kI4 || kind == kQ4D;
+  return kind == kQ4 || kind == kQ40 || kind == kI4 || kind == kQ4D;
 }
 
 // One scale a block (the halves' integer dots are added, then scaled once)
 inline bool one_scale(int64_t kind) {
   kind = base_kind(kind);
-  return kind == kQ4 || kind == kQ8S || kind == kI4 || kind == kQ5;
+  return kind == kQ4 || kind == kQ40 || kind == kQ8S || kind == kI4 || kind == kQ5;
 }
 
 // Row r's scales and offsets in block b of a panel: half 0 (weights 0..15) d0, m0;
@@ -626,6 +633,8 @@ inline void panel_scales(const uint8_t* panel, int64_t b, int64_t kind, int r,
   m0 = 0.f;
   if (kind == kQ4 || kind == kQ5) {
     m0 = h(1);
+  } else if (kind == kQ40) {
+    m0 = -8.f * d0;
   } else if (kind == kQ4D) {
     d1 = h(1);
     m0 = h(2);
@@ -972,7 +981,8 @@ constexpr int one_chain(bool summed) {
 // are exact, so the split changes no result. P vectors of panels (2 with VNNI's 32 registers)
 // share each broadcast of the activations.
 // TWO (kQ4D): each half has its own scale and offset, so the halves' sums stay apart.
-template <int MR, int P, bool TWO, bool SB = false, typename V = VY>
+// M8 (kQ40): no stored offset; m = -8 d, an exact product, so kQ4's bits.
+template <int MR, int P, bool TWO, bool SB = false, typename V = VY, bool M8 = false>
 void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x,
               typename V::F (*acc)[MR], const float* const* fs = nullptr) {
   static_assert(!(TWO && SB), "kQ4D has no superblock-scaled form");
@@ -980,7 +990,7 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
   using F = typename V::F;
   constexpr int NP = P * V::kPanels;  // panels: P vectors of them
   constexpr int H1 = one_chain<V>(!TWO);  // the high nibbles' accumulator
-  constexpr int64_t bsz = SB ? 128 : TWO ? 192 : 160;
+  constexpr int64_t bsz = SB ? 128 : TWO ? 192 : M8 ? 144 : 160;
   constexpr int64_t stride = SB ? bsz + kSbHeader / kSuperBlocks : bsz;  // on average
   const I low = V::bytes(0x0F);
 #ifndef CONVOY_DPBUSD
@@ -1057,7 +1067,7 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
         }
       } else {
         d = V::half8(at, p, 128);
-        m = V::half8(at, p, 144);
+        m = M8 ? V::mul(d, V::set1(-8.f)) : V::half8(at, p, 144);
       }
       for (int i = 0; i < MR; ++i) {
 #ifdef CONVOY_DPBUSD
@@ -1315,6 +1325,8 @@ void panel_kernel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActB
                   typename V::F (*acc)[MR], const float* const* fs) {
   if (kind == kQ4) {
     panel_q4<MR, P, false, false, V>(wg, nb, x, acc);
+  } else if (kind == kQ40) {
+    panel_q4<MR, P, false, false, V, true>(wg, nb, x, acc);
   } else if (kind == kQ4K) {
     panel_q4<MR, P, false, true, V>(wg, nb, x, acc, fs);
   } else if (kind == kQ5K) {
@@ -1387,7 +1399,7 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
         if (kind == kQ4D) {
           acc = std::fma(m0, a.s0, acc);
           acc = std::fma(m1, a.s1, acc);
-        } else if (base == kQ4 || base == kQ8M || base == kQ5) {
+        } else if (base == kQ4 || base == kQ40 || base == kQ8M || base == kQ5) {
           acc = std::fma(m0, a.s, acc);
         }
       }
