@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from convoy.kernels.linear import QuantLinear, gather_in_huge_pages
+from convoy.kernels.huge_pages import gather_in_huge_pages
+from convoy.kernels.linear import QuantLinear
 from convoy.models.gguf_index import MappedPages
 from convoy.models.moe import QuantExperts
 from tests.unit.test_quant_linear import T, _blocks

@@ -11,9 +11,6 @@ and on par with oneDNN fp32 (106-136 GFLOP/s at M=16..64).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
 from collections.abc import Sequence
 
 import torch
@@ -287,89 +284,6 @@ def use_quantized(model: nn.Module, weights: dict[str, QuantParts]) -> int:
             setattr(parent, attr, new)
             count += 1
     return count
-
-
-HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_SLICE_ALIGN = 64
-
-
-def gather_in_huge_pages(model: nn.Module) -> int:
-    """Move every quantized weight's panels (a QuantLinear's `packed`, and any module's tensors
-    it names in `panel_attrs`: the experts') into one buffer that the kernel may back with 2 MiB
-    pages (`madvise(MADV_HUGEPAGE)`, Linux; transparent huge pages are often "madvise" only);
-    returns its bytes, 0 where nothing moved.
-
-    A decode step streams all the weights once, a few hundred KB a linear: with 4 KiB pages every
-    4 KiB is a TLB miss on top of the DRAM latency. Each tensor is copied in a few MiB at a time,
-    and where nothing else holds its memory the pages already copied leave the resident set at
-    once (`_move`), so the load's peak holds no module's panels twice (an OLMoE layer's experts
-    are ~250 MB).
-    """
-    slots: list[tuple[nn.Module, str]] = []
-    for m in model.modules():
-        attrs = ("packed",) if isinstance(m, QuantLinear) else getattr(m, "panel_attrs", ())
-        slots += [(m, a) for a in attrs]
-    sizes = [
-        (getattr(m, a).numel() + _SLICE_ALIGN - 1) // _SLICE_ALIGN * _SLICE_ALIGN for m, a in slots
-    ]
-    total = sum(sizes)
-    if not sys.platform.startswith("linux") or total < HUGE_PAGE:
-        return 0
-    arena = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # untouched: not yet in RAM
-    base = arena.data_ptr()
-    start = (base + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE - base
-    libc = None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        length = (total + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-        libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    except (OSError, AttributeError):  # no libc to ask: ordinary pages, same results
-        pass
-    offset = start
-    for (module, attr), size in zip(slots, sizes, strict=True):
-        new = arena[offset : offset + getattr(module, attr).numel()]
-        _move(module, attr, new, libc)
-        offset += size
-    return total
-
-
-_MOVE_CHUNK = 4 << 20
-_PAGE = 4096
-_MADV_DONTNEED = 4
-
-
-def _move(module: nn.Module, attr: str, dst: torch.Tensor, libc: ctypes.CDLL | None) -> None:
-    """module.<attr> (contiguous uint8) copied into dst (1-D, as many bytes) and replaced by it,
-    `_MOVE_CHUNK` bytes at a time. Where the old tensor's memory is held by nothing else (one
-    tensor on its storage), each copied run of whole pages is dropped (`MADV_DONTNEED`) right
-    after its copy: the old tensor is freed when this returns, and its pages are never read
-    again. The allocator's own bookkeeping sits outside those pages (before the data and past
-    its end), so freeing it afterwards is an ordinary free."""
-    old = getattr(module, attr)
-    # Alone: the tensor is referenced only by the module's attribute and `old` (and getrefcount's
-    # argument), and its storage only by `old` and the storage object asked here
-    alone = (
-        libc is not None
-        and sys.platform.startswith("linux")
-        and sys.getrefcount(old) <= 3
-        and torch._C._storage_Use_Count(old.untyped_storage()._cdata) <= 2
-    )
-    src = old.view(-1)
-    n = src.numel()
-    ptr = src.data_ptr()
-    done = 0
-    while done < n:
-        # chunks end on page boundaries of the old memory, so each copied chunk's pages are whole
-        end = min(n, (ptr + done + _MOVE_CHUNK) // _PAGE * _PAGE - ptr)
-        dst[done:end].copy_(src[done:end])
-        if alone:
-            lo = (ptr + done + _PAGE - 1) // _PAGE * _PAGE
-            hi = (ptr + end) // _PAGE * _PAGE
-            if hi > lo:
-                libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)  # type: ignore[union-attr]
-        done = end
-    setattr(module, attr, dst.view(old.shape))
 
 
 Q4_1, Q8_0 = 3, 8  # GGML type ids of the blocks bf16/fp32 weights are quantized into at load

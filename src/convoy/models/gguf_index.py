@@ -13,8 +13,6 @@ uint8 for block types), and `fields` holds the scalar and string values under th
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import struct
 import sys
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from convoy.kernels.huge_pages import PAGE, drop_pages
 from convoy.models.gguf_convert import ModelLoadError
 
 _MAGIC = b"GGUF"
@@ -128,7 +127,6 @@ def _read(path: Path) -> GGUFIndex:
 
 
 _SKIPPED = object()
-_MADV_DONTNEED = 4
 
 
 def drop_mapped_pages(path: Path) -> int:
@@ -138,10 +136,10 @@ def drop_mapped_pages(path: Path) -> int:
     again is mapped back from the page cache. A load calls this after each module it repacked,
     so the file's pages and their repacked copies are not resident together (Linux only; a no-op
     elsewhere)."""
-    pages = MappedPages(path)
-    for start, length in pages.spans:
-        pages.drop(start, length)
-    return sum(length for _, length in pages.spans)
+    spans = MappedPages(path).spans
+    for start, length in spans:
+        drop_pages(start, length)
+    return sum(length for _, length in spans)
 
 
 class MappedPages:
@@ -153,7 +151,6 @@ class MappedPages:
 
     def __init__(self, path: Path) -> None:
         self.spans: list[tuple[int, int]] = []
-        self._libc: Any = None
         if not sys.platform.startswith("linux"):
             return
         target = str(Path(path).resolve())
@@ -168,13 +165,8 @@ class MappedPages:
                     ):
                         start, end = (int(x, 16) for x in fields[0].split("-"))
                         self.spans.append((start, end - start))
-            self._libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         except OSError:
             self.spans = []
-
-    def drop(self, start: int, length: int) -> None:
-        if self._libc is not None and length > 0:
-            self._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED)
 
     def release(self, tensor: Any) -> None:
         """Drop the whole pages under `tensor`'s bytes (a contiguous view of the file's mapping)
@@ -182,12 +174,9 @@ class MappedPages:
         lo = tensor.data_ptr()
         hi = lo + tensor.numel() * tensor.element_size()
         for start, length in self.spans:
-            a = max(lo + _PAGE - 1, start) // _PAGE * _PAGE
-            b = min(hi, start + length) // _PAGE * _PAGE
-            self.drop(a, b - a)
-
-
-_PAGE = 4096
+            a = max(lo + PAGE - 1, start) // PAGE * PAGE
+            b = min(hi, start + length) // PAGE * PAGE
+            drop_pages(a, b - a)
 
 
 def _string(data: np.ndarray, off: int) -> tuple[str, int]:

@@ -23,13 +23,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from convoy.kernels.linear import (
-    SIXTEEN_BIT_TYPES,
-    QuantLinear,
-    QuantParts,
-    gather_in_huge_pages,
-    use_quantized,
-)
+from convoy.kernels.huge_pages import gather_in_huge_pages
+from convoy.kernels.linear import SIXTEEN_BIT_TYPES, QuantLinear, QuantParts, use_quantized
 from convoy.models.gguf_convert import CONFIG_TENSORS, ModelLoadError, field, hf_tensor_name
 from convoy.models.gguf_index import MappedPages, drop_mapped_pages, read_gguf_index
 from convoy.models.gguf_quant import quantized_linears

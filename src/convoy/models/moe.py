@@ -97,7 +97,7 @@ class QuantExperts(nn.Module):
     the same kernels as a dense QuantLinear, so every output element is reduced in a fixed order
     whatever else the step holds (batch invariant)."""
 
-    panel_attrs = ("gate_up", "down")  # kernels.linear.gather_in_huge_pages moves them
+    panel_attrs = ("gate_up", "down")  # kernels.huge_pages.gather_in_huge_pages moves them
 
     def __init__(
         self,
@@ -110,7 +110,7 @@ class QuantExperts(nn.Module):
     ) -> None:
         """`release`, where given, is called with each expert's blocks (of each part) once they
         are packed: the loader drops their pages of the mapped file then, so a layer's experts
-        are never resident twice (kernels.linear.gather_in_huge_pages does the same for the
+        are never resident twice (kernels.huge_pages.gather_in_huge_pages does the same for the
         panels' move)."""
         super().__init__()
         act_id = native_activation(act)

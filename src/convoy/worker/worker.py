@@ -10,7 +10,8 @@ import torch
 
 from convoy import kernels
 from convoy.config import ConfigError, EngineConfig
-from convoy.kernels.linear import QuantLinear, gather_in_huge_pages, quantize_linears
+from convoy.kernels.huge_pages import gather_in_huge_pages
+from convoy.kernels.linear import QuantLinear, quantize_linears
 from convoy.kernels.ops import QUANT_TYPES
 from convoy.kernels.packed_linear import linear_packing, onednn_linear_available, pack_linears
 from convoy.models.layers import CausalLM
