@@ -50,11 +50,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--decode", type=int, default=0, help="streams of greedy decode (0: none)")
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--speculative", default="auto", help="the engine's drafting (auto, off)")
     p.add_argument("--prefill", action="store_true")
     args = p.parse_args()
     if builder.isa() != "avx512vnni":
         raise SystemExit(f"kernels here are built for {builder.isa()}: no zmm tiles to compare")
-    llm = LLM(args.model, num_kv_blocks=1024, enable_prefix_caching=False)
+    llm = LLM(
+        args.model, num_kv_blocks=1024, enable_prefix_caching=False, speculative=args.speculative
+    )
     layers = [f".layers.{i}." for i in args.layers.split(",")]
     linears = [
         m

@@ -429,12 +429,13 @@ def _many_row_cases() -> list:
 @pytest.mark.skipif(builder.isa() != "avx512vnni", reason="zmm tiles need AVX-512 VNNI")
 def test_zmm_tiles_give_the_bits_of_ymm_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """CONVOY_CPU_ZMM=0 runs the same tiles in ymm registers: the same outputs, bit for bit, at
-    every row count (a tile of 1-4 rows, a part-filled last group of panels)."""
+    every row count (a tile of 1-4 rows, a part-filled last group of panels), where the panels
+    are split statically (3-15 rows; 2 for IQ4_XS) and in chunks (16 rows on)."""
     for qtype, blocks, k, x in _many_row_cases():
         layer = _layer(qtype, blocks, k)
         wide = layer(x)
         monkeypatch.setenv("CONVOY_CPU_ZMM", "0")
-        for m in (16, 17, 19, 40):
+        for m in (2, 3, 5, 15, 16, 17, 19, 40):
             assert torch.equal(layer(x[:m]), wide[:m]), (qtype, m)
         monkeypatch.delenv("CONVOY_CPU_ZMM")
 

@@ -786,11 +786,21 @@ inline __m256i bcast4(const int8_t* p) {
 // ahead moved SmolLM2's 120 decode linears (66 MB, 2 threads) from 8.3 to 7.2 ms (median, AVX2
 // EPYC host), Gemma's from 8.6 to 7.8. Panels of a thread's range are contiguous, so a prefetch
 // past a panel's end is the next panel's start; past the buffer it is harmless (no fault).
+// A tile of several panels (NP > 1) reads them side by side, so past a panel's end the block
+// ahead is in the same slot of the next group: `jump` (the first to the last panel of the group,
+// (NP - 1) panels' bytes where they lie back to back) is added there. Without it, panels of 18
+// blocks (K = 576) had their next group's first blocks fetched only on demand.
 constexpr int64_t kPrefetchBlocks = 10;
 template <int64_t BSZ>
-inline void prefetch_ahead(const uint8_t* blk) {
+inline void prefetch_ahead(const uint8_t* blk, int64_t b = 0, int64_t nb = 0,
+                           std::ptrdiff_t jump = 0) {
+  const uint8_t* ahead = blk + kPrefetchBlocks * BSZ + (b + kPrefetchBlocks >= nb ? jump : 0);
   for (int64_t o = 0; o < BSZ; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBlocks * BSZ + o), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
+}
+template <int NP>
+inline std::ptrdiff_t group_jump(const uint8_t* const* panels) {
+  return NP > 1 ? panels[NP - 1] - panels[0] : 0;
 }
 
 // The running integer sums of the AVX2 tiles stay in registers, added to product after product
@@ -1000,11 +1010,12 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
   constexpr bool hoist = SB && MR * P <= kHoistTile;
   F dsb[P], msb[P];
   Cursor<NP, SB, bsz> cur(panels);
+  const std::ptrdiff_t jump = group_jump<NP>(panels);
   for (int64_t b = 0; b < nb; cur.next(b++)) {
     I isum[P][2][MR];
     const uint8_t* const* at = cur.at;
     const uint8_t* const* header = cur.header;
-    for (int q = 0; q < NP; ++q) prefetch_ahead<stride>(at[q]);
+    for (int q = 0; q < NP; ++q) prefetch_ahead<stride>(at[q], b, nb, jump);
     if constexpr (hoist)
       if (b % kSuperBlocks == 0)
         for (int p = 0; p < P; ++p) {
@@ -1110,11 +1121,12 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   const uint8_t* at[NP];
+  const std::ptrdiff_t jump = group_jump<NP>(wg);
   for (int64_t b = 0; b < nb; ++b) {
     I isum[P][2][MR];
     for (int q = 0; q < NP; ++q) {
       at[q] = wg[q] + b * bsz;
-      prefetch_ahead<bsz>(at[q]);
+      prefetch_ahead<bsz>(at[q], b, nb, jump);
     }
     for (int p = 0; p < P; ++p)
       for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = V::zero();
@@ -1206,6 +1218,7 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
   constexpr bool hoist = SB && MR * P <= kHoistTile;
   F dsb[P], msb[P];
   Cursor<NP, SB, bsz> cur(panels);
+  const std::ptrdiff_t jump = group_jump<NP>(panels);
   for (int64_t b = 0; b < nb; cur.next(b++)) {
     I isum[P][2][MR];
     I plane[P][2];
@@ -1217,7 +1230,7 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
           dsb[p] = V::sb_d(header, p, 0);
           msb[p] = KIND == kQ6 ? dsb[p] : V::sb_d(header, p, 1);
         }
-    for (int q = 0; q < NP; ++q) prefetch_ahead<stride>(at[q]);
+    for (int q = 0; q < NP; ++q) prefetch_ahead<stride>(at[q], b, nb, jump);
     for (int p = 0; p < P; ++p) {
       if constexpr (KIND == kQ5) {
         plane[p][0] = plane[p][1] = V::load(at, p, kNibbleBytes);
@@ -1415,6 +1428,18 @@ void panel(int64_t kind, const uint8_t* const* wg, int64_t nb, const ActBlock* c
 // at a time; Gemma's head at 16 rows 16.9-17.4 ms either way). CONVOY_CPU_ZMM=0 keeps 32.
 constexpr int64_t kPairMinRows = 32, kZmmMinRows = 16;
 inline int64_t pair_min_rows(bool zmm) { return zmm ? kZmmMinRows : kPairMinRows; }
+// Rows from which zmm tiles (kP panels, four weight streams) run a range of panels that is
+// still split statically (memory-bound, under kZmmMinRows rows). At 3-15 rows the one-panel ymm
+// tiles were bound by their instructions, not by the weights' read: every linear of the 1B
+// Q4_K_M file at 3 / 4 / 8 / 12 rows 1.38x / 1.6x / 1.86x / 1.87x faster in zmm tiles, SmolLM2's
+// 1.0x / 1.1x / 1.54x / 1.6x (Zen 5, AVX-512 VNNI, alternating in one process). At 2 rows one
+// stream still wins (0.93-1.06x), except IQ4_XS, whose codebook lookups cost more a block
+// (the 3B IQ4_XS file's linears at 2 rows 55.5 -> 37.6 ms).
+constexpr int64_t kZmmTileMinRows = 3, kZmmTileMinRowsI4 = 2;
+inline int64_t tile_min_rows(bool zmm, int64_t kind) {
+  if (!zmm) return kPairMinRows;
+  return kind == kI4 ? kZmmTileMinRowsI4 : kZmmTileMinRows;
+}
 // Rows from which a superblock-scaled kind's block scales are computed in a pass of their own
 // before the row tiles (which then read them) rather than in each tile. The pass is the first to
 // touch a panel, its loads of superblock headers miss one after another, and below 32 rows the
@@ -1560,10 +1585,10 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
     // Two panels at once read two streams of weights. With few activation rows the weights
     // stream from memory once (every layer's in a model larger than the caches) and two streams
     // ran slower than one (Gemma's head at M=1: 9.8 vs 5.9 ms; SmolLM2's decode step at B=1-4
-    // 20-50% slower); with many rows the kernel is compute-bound and sharing each broadcast
-    // pays. The results are the same bits either way.
+    // 20-50% slower, AVX2); with many rows the kernel is compute-bound and sharing each broadcast
+    // pays. zmm tiles pay from 3 rows (tile_min_rows) while the split stays static below 16
+    // (`many`). The results are the same bits either way.
     const bool many = m1 - m0 >= pair_min_rows(zmm);
-    const int64_t step = many ? kP : 1;
     // panels g0..g1 (all of kind `kind`) of rows m0..m1 -> dst (ld floats a row), whose first
     // column is column col0
     const auto run_panels = [&](int64_t kind, int64_t g0, int64_t g1, float* dst, int64_t ld,
@@ -1573,6 +1598,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
       const bool precompute = m1 - m0 >= kPrecomputeMinRows && sb_kind(kind);
       const ActBlock* rows[kMR];
       const uint8_t* wg[kP];
+      const int64_t step = m1 - m0 >= tile_min_rows(zmm, kind) ? kP : 1;
       std::vector<float> scales(precompute ? static_cast<size_t>(kP * 16 * nb) : 0);
       const float* fs[kP] = {};
       for (int64_t g = g0; g < g1; g += step) {
@@ -1597,8 +1623,11 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t ki
       if (g0 < cut) run_panels(P.a, g0, cut, dst, ld, col0);
       if (cut < g1) run_panels(P.b, cut, g1, dst, ld, col0);
     };
-    if (!many && P.a == P.b) {  // memory-bound: each thread streams a range of panels
-      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { panels(g0, g1, op + m0 * N, N, 0); });
+    if (!many && P.a == P.b) {  // few rows: each thread streams a range of panels
+      const int64_t unit = m1 - m0 >= tile_min_rows(zmm, P.a) ? kP : 1;  // whole register tiles
+      at::parallel_for(0, (G + unit - 1) / unit, 1, [&](int64_t u0, int64_t u1) {
+        panels(u0 * unit, std::min(G, u1 * unit), op + m0 * N, N, 0);
+      });
       continue;
     }
     if (!many) {  // the same, two-part: ranges of equal bytes (its kinds' panels differ in size)
@@ -1761,9 +1790,9 @@ std::vector<std::vector<Segment>> expert_chunks(const std::vector<int64_t>& star
 
 // One GEMM phase: for every expert, its sorted rows (int8 blocks row_blocks(i)) @ its Gp panels
 // (N outputs) -> out rows i (N floats each). One parallel region, split as quant_linear splits a
-// linear: every expert under kPairMinRows rows (memory-bound) -> one contiguous range of the
+// linear: every expert under pair_min_rows rows (few) -> one contiguous range of the
 // (expert, panel) sequence a thread; else chunks taken from a shared counter. Tiles as
-// quant_linear's (kTileM rows, kMR a register tile, panel pairs from kPairMinRows rows): the same
+// quant_linear's (kTileM rows, kMR a register tile, kP panels from tile_min_rows rows): the same
 // bits whichever thread, tile or pairing runs an output.
 template <typename RowBlocks>
 void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, int64_t nb,
@@ -1784,7 +1813,7 @@ void experts_gemm(const uint8_t* wp, int64_t gstride, int64_t Gp, int64_t kind, 
     const int64_t r0 = start[sg.e], n = start[sg.e + 1] - r0;
     for (int64_t m0 = 0; m0 < n; m0 += kTileM) {
       const int64_t m1 = std::min(n, m0 + kTileM);
-      const int64_t step = m1 - m0 >= pair_min_rows(zmm) ? kP : 1;
+      const int64_t step = m1 - m0 >= tile_min_rows(zmm, kind) ? kP : 1;
       for (int64_t g = sg.g0; g < sg.g1; g += step) {
         const int64_t np = std::min(step, sg.g1 - g);
         const int64_t lanes = std::min<int64_t>(R * np, N - g * R);
