@@ -7,6 +7,10 @@
 Weights are random blocks of each GGML type written directly (random quants, one scale per
 tensor chosen so the dequantized weights have a standard deviation of about 0.02; norms 1,
 biases 0, routers F32), so a 8 GB file takes a minute, not the hours a float quantizer would.
+Q4_0 and Q5_0 quants are drawn from 1..15 and 1..31, so the weights have mean 0: drawn from
+0..15 every Q4_0 weight had a mean of -d/2, a direction every layer's output shared, and an
+OLMoE-shaped file routed all 64 rows of a decode step to the same 8 experts (with mean 0, every
+expert takes some rows; at most 13-19 of 64 rows each).
 The tokenizer and chat template are SmolLM2-135M-Instruct's, copied from its GGUF (so the
 vocabulary is its 49,152 tokens, not the original model's). Both servers read the same file, so
 a comparison is honest; the text is meaningless (run with EOS ignored). The shapes:
@@ -138,10 +142,13 @@ def random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int)
         b[:, col : col + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
 
     # std of the random quant value (and scale) each layout gives, so d makes std(w) ~ SIGMA
-    if qtype == T.Q4_0:
-        f16(0, SIGMA / 4.6)
-    elif qtype == T.Q5_0:
-        f16(0, SIGMA / 9.2)
+    if qtype in (T.Q4_0, T.Q5_0):  # w = d * (q - 8) or d * (q - 16): q of mean 8 or 16
+        levels = 16 if qtype == T.Q4_0 else 32
+        q = rng.integers(1, levels, size=(n, 32), dtype=np.uint8)
+        b[:, size - 16 :] = (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)
+        if qtype == T.Q5_0:  # the 32 fifth bits, element j at bit j
+            b[:, 2:6] = np.packbits(q >> 4, axis=1, bitorder="little")
+        f16(0, SIGMA / (4.32 if qtype == T.Q4_0 else 8.94))
     elif qtype == T.Q8_0:
         f16(0, SIGMA / 74.0)
     elif qtype == T.Q4_K:  # w = d * sc * q - dmin * m, sc, m, q random 6/6/4-bit
