@@ -7,10 +7,11 @@
 Weights are random blocks of each GGML type written directly (random quants, one scale per
 tensor chosen so the dequantized weights have a standard deviation of about 0.02; norms 1,
 biases 0, routers F32), so a 8 GB file takes a minute, not the hours a float quantizer would.
-Q4_0 and Q5_0 quants are drawn from 1..15 and 1..31, so the weights have mean 0: drawn from
-0..15 every Q4_0 weight had a mean of -d/2, a direction every layer's output shared, and an
-OLMoE-shaped file routed all 64 rows of a decode step to the same 8 experts (with mean 0, every
-expert takes some rows; at most 13-19 of 64 rows each).
+Every type's weights have mean 0 (Q4_0 and Q5_0 quants drawn from 1..15 and 1..31, Q8_0's
+from -127..127; Q3_K's and the IQ4 types' d of a random sign a block): drawn
+from 0..15 every Q4_0 weight had a mean of -d/2, a direction every layer's output shared, and
+an OLMoE-shaped file routed all 64 rows of a decode step to the same 8 experts (with mean 0,
+every expert takes some rows; at most 13-19 of 64 rows each).
 The tokenizer and chat template are SmolLM2-135M-Instruct's, copied from its GGUF (so the
 vocabulary is its 49,152 tokens, not the original model's). Both servers read the same file, so
 a comparison is honest; the text is meaningless (run with EOS ignored). The shapes:
@@ -141,6 +142,10 @@ def random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int)
     def f16(col: int, value: float) -> None:  # one fp16 field at byte `col` of every block
         b[:, col : col + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
 
+    def signed_f16(col: int, value: float) -> None:  # the same, of a random sign a block
+        sign = np.where(rng.integers(0, 2, size=n) == 1, 1.0, -1.0)
+        b[:, col : col + 2] = (sign * value).astype(np.float16).view(np.uint8).reshape(n, 2)
+
     # std of the random quant value (and scale) each layout gives, so d makes std(w) ~ SIGMA
     if qtype in (T.Q4_0, T.Q5_0):  # w = d * (q - 8) or d * (q - 16): q of mean 8 or 16
         levels = 16 if qtype == T.Q4_0 else 32
@@ -149,27 +154,31 @@ def random_blocks(rng: np.random.Generator, qtype: GGMLQuantizationType, n: int)
         if qtype == T.Q5_0:  # the 32 fifth bits, element j at bit j
             b[:, 2:6] = np.packbits(q >> 4, axis=1, bitorder="little")
         f16(0, SIGMA / (4.32 if qtype == T.Q4_0 else 8.94))
-    elif qtype == T.Q8_0:
-        f16(0, SIGMA / 74.0)
-    elif qtype == T.Q4_K:  # w = d * sc * q - dmin * m, sc, m, q random 6/6/4-bit
-        d = SIGMA / (36.0 * 4.6)
+    elif qtype == T.Q8_0:  # q in -127..127, mean 0 (random bytes have a mean of -0.5)
+        b[:, 2:] = rng.integers(-127, 128, size=(n, 32), dtype=np.int8).view(np.uint8)
+        f16(0, SIGMA / 73.3)
+    elif qtype == T.Q4_K:  # w = d * sc * q - dmin * m, sc, m, q random 6/6/4-bit: std 258 d
+        d = SIGMA / 258.5
         f16(0, d)
         f16(2, d * 7.5)
     elif qtype == T.Q6_K:  # w = d * sc * (q - 32), sc int8, q 6-bit; d last
         f16(size - 2, SIGMA / (74.0 * 18.5))
-    elif qtype == T.Q5_K:  # as Q4_K with 5-bit q
-        d = SIGMA / (36.0 * 9.2)
+    elif qtype == T.Q5_K:  # as Q4_K with 5-bit q: std 527 d
+        d = SIGMA / 527.0
         f16(0, d)
         f16(2, d * 15.5)
     elif qtype == T.Q5_1:  # w = d * q + m, q 5-bit
         f16(0, SIGMA / 9.2)
         f16(2, -SIGMA * 15.5 / 9.2)
+    # Below, factors of means that are not 0 (sc - 32 and q of Q3_K: -0.5 each; the IQ4
+    # codebook: -5.9 of rms 67.4) would leave every weight an offset of one sign: d takes a
+    # random sign a block instead.
     elif qtype == T.Q3_K:  # w = d * (sc - 32) * q, sc 6-bit, q -4..3 (rms 2.35); d last
-        f16(size - 2, SIGMA / (18.5 * 2.35))
+        signed_f16(size - 2, SIGMA / (18.5 * 2.35))
     elif qtype == T.IQ4_XS:  # w = d * (ls - 32) * codebook value (rms 67.4), ls 6-bit
-        f16(0, SIGMA / (18.5 * 67.4))
+        signed_f16(0, SIGMA / (18.5 * 67.4))
     elif qtype == T.IQ4_NL:  # w = d * codebook value
-        f16(0, SIGMA / 67.4)
+        signed_f16(0, SIGMA / 67.4)
     else:
         raise ValueError(qtype)
     return b
