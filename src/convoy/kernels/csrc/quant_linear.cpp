@@ -792,8 +792,7 @@ inline __m256i bcast4(const int8_t* p) {
 // blocks (K = 576) had their next group's first blocks fetched only on demand.
 constexpr int64_t kPrefetchBlocks = 10;
 template <int64_t BSZ>
-inline void prefetch_ahead(const uint8_t* blk, int64_t b = 0, int64_t nb = 0,
-                           std::ptrdiff_t jump = 0) {
+inline void prefetch_ahead(const uint8_t* blk, int64_t b, int64_t nb, std::ptrdiff_t jump) {
   const uint8_t* ahead = blk + kPrefetchBlocks * BSZ + (b + kPrefetchBlocks >= nb ? jump : 0);
   for (int64_t o = 0; o < BSZ; o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
