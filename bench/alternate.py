@@ -84,25 +84,12 @@ def main() -> None:
     threads = args.threads or cores
     binary = args.llama_server or peer.build_llama_server(cores)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so atexit stops the servers
-    env = {k: v for k, v in os.environ.items() if k != "CONVOY_API_KEY"}
-    from convoy.config import CacheConfig
-
+    env = peer.server_env(threads, cores)
     ctx = 4096  # one slot's context, the same tokens of KV on both sides
-    blocks = -(-ctx // CacheConfig().block_size)
     servers = [
-        peer.Server(
-            "llama-server",
-            [str(binary), "-m", str(gguf), "--parallel", "1", "-c", str(ctx), "-t", str(threads),
-             "--no-webui"],
-            args.host,
-        ),
-        peer.Server(
-            "convoy",
-            [sys.executable, "-m", "convoy.cli", "serve", str(gguf), "--log-level", "warning",
-             "--num-kv-blocks", str(blocks), *args.convoy_flag],
-            args.host, env,
-        ),
-    ]  # fmt: skip
+        peer.Server("llama-server", peer.llama_cmd(binary, gguf, 1, ctx, threads), args.host),
+        peer.Server("convoy", peer.convoy_cmd(gguf, ctx, args.convoy_flag), args.host, env),
+    ]
     for srv in servers:
         srv.wait_ready(args.start_timeout)
         one(srv, 8, args.timeout)  # warm: first requests build caches and touch pages

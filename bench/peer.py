@@ -429,6 +429,30 @@ def report(args: argparse.Namespace, stream_res: dict, heavy_res: dict) -> None:
         table(["server", *header], values, fmts)
 
 
+def server_env(threads: int, cores: int) -> dict[str, str]:
+    """The servers' environment: no API key (the requests carry none), and OMP_NUM_THREADS where
+    fewer threads than cores are asked for."""
+    env = {k: v for k, v in os.environ.items() if k != "CONVOY_API_KEY"}
+    if threads != cores:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def llama_cmd(binary: Path, gguf: Path, slots: int, ctx: int, threads: int) -> list[str]:
+    """llama-server on `gguf` with `slots` slots of `ctx` tokens each."""
+    return [str(binary), "-m", str(gguf), "--parallel", str(slots), "-c", str(slots * ctx),
+            "-t", str(threads), "--no-webui"]  # fmt: skip
+
+
+def convoy_cmd(gguf: Path, kv_tokens: int | None, flags: list[str]) -> list[str]:
+    """`convoy serve` on `gguf`, its KV pool sized to `kv_tokens` (None: its default budget)."""
+    from convoy.config import CacheConfig
+
+    kv = [] if kv_tokens is None else ["--num-kv-blocks", str(-(-kv_tokens // CacheConfig().block_size))]
+    return [sys.executable, "-m", "convoy.cli", "serve", str(gguf), "--log-level", "warning",
+            *kv, *flags]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     cores = os.cpu_count() or 1
@@ -490,30 +514,22 @@ def main() -> None:
     args.gguf = gguf_path(args.model)
     if not args.gguf.is_file():
         sys.exit(f"{args.gguf}: no such GGUF file")
-    env = dict(os.environ)
-    env.pop("CONVOY_API_KEY", None)
-    if args.threads != cores:
-        env["OMP_NUM_THREADS"] = str(args.threads)
+    env = server_env(args.threads, cores)
 
     def llama(slots: int, ctx: int) -> Server:
-        cmd = [str(binary), "-m", str(args.gguf), "--parallel", str(slots), "-c", str(slots * ctx),
-               "-t", str(args.threads), "--no-webui"]  # fmt: skip
-        return Server("llama-server", cmd, args.host)
+        assert binary is not None
+        return Server("llama-server", llama_cmd(binary, args.gguf, slots, ctx, args.threads), args.host)
 
     def convoy(slots: int, ctx: int, name: str = "convoy", src: Path | None = None) -> Server:
-        kv = [] if args.convoy_default_kv else ["--num-kv-blocks", str(-(-slots * ctx // block))]
-        cmd = [sys.executable, "-m", "convoy.cli", "serve", str(args.gguf), "--log-level",
-               "warning", *(["--dtype", args.dtype] if args.dtype else []), *kv,
-               *args.convoy_flag]  # fmt: skip
+        kv = None if args.convoy_default_kv else slots * ctx
+        cmd = convoy_cmd(args.gguf, kv, [*(["--dtype", args.dtype] if args.dtype else []),
+                                         *args.convoy_flag])  # fmt: skip
         own_env = env if src is None else {**env, "PYTHONPATH": str(src)}
         return Server(name, cmd, args.host, own_env)
 
     def convoy_before(slots: int, ctx: int) -> Server:
         return convoy(slots, ctx, "convoy-before", args.before / "src")
 
-    from convoy.config import CacheConfig
-
-    block = CacheConfig().block_size
     stream_shape = (args.slots, args.ctx_per_slot)
     servers = [llama, convoy, *([convoy_before] if args.before else [])]
     phases = [("streaming", make, stream_shape) for make in servers]
