@@ -1,6 +1,7 @@
 """/v1/responses through the real server with the official client: a string and an item list,
 instructions, max_output_tokens (incomplete), a stream whose deltas make the final text,
-parse with a pydantic model, a function-tool round trip over previous_response_id, the stored
+parse with a pydantic model, a function-tool round trip over previous_response_id, a call cut
+by max_output_tokens (incomplete, whole and streamed), the stored
 response's retrieve / input_items / delete, previous_response_id after a restart, and the 400s
 naming the field."""
 
@@ -212,6 +213,25 @@ def test_stream_function_call(rclient: OpenAI) -> None:
     calls = [item for item in final.output if item.type == "function_call"]
     assert calls and done == deltas == {c.id: c.arguments for c in calls}
     assert calls[0].name == "get_weather"
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete(rclient: OpenAI) -> None:
+    """Cut inside its arguments, the call is a function_call item with the arguments generated
+    so far and status incomplete, in an incomplete response; whole and streamed alike."""
+    kwargs = {"model": MODEL, "input": "Weather in Rome?", "tools": [WEATHER],
+              "tool_choice": "required", "temperature": 0, "max_output_tokens": 20}  # fmt: skip
+    whole = rclient.responses.create(**kwargs)  # type: ignore[call-overload]
+    events = list(rclient.responses.create(**kwargs, stream=True))  # type: ignore[call-overload]
+    assert events[-1].type == "response.incomplete"  # the SDK's stream helper wants completed
+    streamed = events[-1].response
+    for r in (whole, streamed):
+        assert r.status == "incomplete" and r.incomplete_details is not None
+        (call,) = r.output
+        assert call.type == "function_call" and call.name == "get_weather"
+        assert call.status == "incomplete" and call.arguments.startswith('{"city"')
+    assert streamed.output[0].arguments == whole.output[0].arguments  # type: ignore[union-attr]
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.status == "incomplete"
 
 
 # NOTE: last: it stops the module's server.

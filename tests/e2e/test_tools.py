@@ -3,7 +3,8 @@ and `parallel_tool_calls: false` give calls whose arguments validate against the
 (`parse` with a pydantic tool too); a stream reassembles into the same call as the whole
 response; `auto` answers in text, or calls once the opening marker is out (forced here with
 logit_bias: the tiny model does not open it on its own); a round trip (call, tool result,
-answer); a call cut by max_tokens stays text; a Batch API line; each bad field a 400 naming
+answer); a call cut by max_tokens is the same whole and streamed (text before its name is out,
+then a call with truncated arguments); a Batch API line; each bad field a 400 naming
 it; one call on Gemma 3.
 
 The generating requests run concurrently, in one batch (the `replies` fixture), so the file
@@ -82,6 +83,21 @@ async def _stream(aclient: AsyncOpenAI) -> tuple[Any, list[Any]]:
         return await stream.get_final_completion(), chunks
 
 
+async def _reassembled(aclient: AsyncOpenAI, body: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """A raw stream (no accumulator: it refuses a cut reply with a pydantic tool) summed up:
+    (content, [[name, arguments] per call], finish_reason)."""
+    content, calls, finish = "", {}, None
+    async for chunk in await aclient.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, ["", ""])
+                call[0] += d.function.name or ""
+                call[1] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
 @pytest.fixture(scope="module")
 def replies(server: Server) -> dict[str, Any]:
     """Every generating request of this file but the round trip's answer and the batch,
@@ -109,9 +125,12 @@ def replies(server: Server) -> dict[str, Any]:
                    logit_bias={str(t): 100 for t in marker["tokens"]}),
             create(**fan, max_tokens=8),
             create(**{**SINGLE, "max_tokens": 12}),
+            create(**{**SINGLE, "max_tokens": 20}),
+            _reassembled(aclient, {**SINGLE, "max_tokens": 20}),
         )  # fmt: skip
 
-    names = ["single", "streamed", "named", "parsed", "auto_forced", "auto_text", "cut"]
+    names = ["single", "streamed", "named", "parsed", "auto_forced", "auto_text", "cut",
+             "cut_args", "cut_args_streamed"]  # fmt: skip
     return dict(zip(names, asyncio.run(run()), strict=True))
 
 
@@ -150,10 +169,20 @@ def test_auto_answers_in_text_or_calls_after_the_marker(replies: dict[str, Any])
     assert text.finish_reason in ("stop", "length")
 
 
-def test_a_call_cut_by_max_tokens_stays_text(replies: dict[str, Any]) -> None:
+def test_a_call_cut_by_max_tokens_is_what_the_stream_sent(replies: dict[str, Any]) -> None:
+    """Cut before its name is out, the reply stays text; cut in its arguments, it is a call
+    with the arguments generated so far (as OpenAI's API answers), in a stream and whole."""
     cut = replies["cut"].choices[0]
     assert cut.finish_reason == "length" and cut.message.tool_calls is None
     assert cut.message.content.startswith('<tool_call>\n{"name": "get_')
+    whole = replies["cut_args"].choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)  # truncated
+    content, calls, finish = replies["cut_args_streamed"]
+    assert (content, calls, finish) == ("", [["get_weather", call.function.arguments]], "length")
 
 
 def test_a_round_trip_call_result_answer(client: OpenAI, replies: dict[str, Any]) -> None:

@@ -15,7 +15,9 @@ from convoy.api.tool_format import (
     ParsedCall,
     ToolCallStream,
     call_text,
+    is_complete,
     parse_tool_calls,
+    split_reply,
     tools_grammar,
 )
 from convoy.engine.tokenizer import Tokenizer
@@ -88,7 +90,31 @@ def test_a_call_cut_short_keeps_its_partial_arguments_in_a_stream() -> None:
     text = call_text("search", TRICKY_ARGS)[:-20]
     content, calls, parser = _stream(text, 3)
     assert content == "" and calls == {0: ["search", TRICKY_ARGS[:-6]]}
-    assert parse_tool_calls(parser.text) is None  # the whole response keeps it as text
+    assert parse_tool_calls(parser.text) is None  # not complete calls: finish is not tool_calls
+
+
+def test_a_whole_reply_splits_as_its_stream_does_at_every_cut() -> None:
+    """split_reply (a non-streamed reply) against the stream fed in pieces, for the reply cut
+    at every character (max_tokens or a stop string can end it anywhere)."""
+    for end in range(len(TWO_CALLS) + 1):
+        text = TWO_CALLS[:end]
+        content, calls = split_reply(text)
+        streamed, pieces, _ = _stream(text, 3)
+        assert content == (streamed or None), end
+        assert [[c.name, c.arguments] for c in calls] == list(pieces.values()), end
+        if (whole := parse_tool_calls(text)) is not None:
+            assert (content, calls) == whole, end  # complete calls: the parsed answer
+    assert split_reply(TWO_CALLS) == parse_tool_calls(TWO_CALLS)
+
+
+def test_cut_arguments_are_not_complete() -> None:
+    content, calls = split_reply(call_text("search", TRICKY_ARGS)[:-20])
+    assert content is None and [c.arguments for c in calls] == [TRICKY_ARGS[:-6]]
+    assert not is_complete(calls[0].arguments) and not is_complete("")
+    assert is_complete(TRICKY_ARGS) and is_complete("{}")
+    content, calls = split_reply("Sure. " + call_text("noop", "{}")[:-3])  # cut in the CLOSE
+    assert content == "Sure." and calls == [ParsedCall("noop", "{}")]
+    assert split_reply("plain text  ") == ("plain text  ", [])
 
 
 # -- the grammar, walked with the default model's tokenizer ------------------------------------

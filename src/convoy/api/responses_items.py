@@ -11,6 +11,7 @@ from convoy.api.errors import APIError
 from convoy.api.protocol_chat import ChatCompletionResponse
 from convoy.api.protocol_common import UsageInfo
 from convoy.api.protocol_responses import Item, new_item_id
+from convoy.api.tool_format import is_complete
 from convoy.sampling_params import SamplingParamsError
 from convoy.structured.params import StructuredOutputsError
 
@@ -63,6 +64,11 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "arguments": arguments, "status": status}  # fmt: skip
 
 
+def call_status(arguments: str) -> str:
+    """A function_call item's status: incomplete when max_output_tokens cut its arguments."""
+    return "completed" if is_complete(arguments) else "incomplete"
+
+
 def finish_response(response: Item, reason: str | None, usage: UsageInfo | None) -> Item:
     """The response's status (incomplete when cut by max_output_tokens) and usage."""
     if reason == "length":
@@ -101,7 +107,8 @@ def completed(response: Item, result: ChatCompletionResponse) -> Item:
         output.append(text_item(new_item_id("msg"), message.content or "", "completed"))
     for call in message.tool_calls or []:
         output.append(call_item(new_item_id("fc"), call.id, call.function.name,
-                                call.function.arguments, "completed"))  # fmt: skip
+                                call.function.arguments,
+                                call_status(call.function.arguments)))  # fmt: skip
     response["output"] = output
     return finish_response(response, choice.finish_reason, result.usage)
 

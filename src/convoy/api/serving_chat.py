@@ -41,7 +41,7 @@ from convoy.api.reasoning import (
 )
 from convoy.api.serving_base import Job, Outputs, ServingBase, finish_reason, is_empty_delta
 from convoy.api.structured_reasoning import constrain_after_think
-from convoy.api.tool_format import CallDelta, ToolCallStream, parse_tool_calls
+from convoy.api.tool_format import CallDelta, ToolCallStream, parse_tool_calls, split_reply
 from convoy.engine.request import Priority
 from convoy.outputs import CompletionOutput, FinishReason, RequestOutput
 from convoy.sampling_params import SamplingParams
@@ -211,23 +211,30 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
 def _message(
     request: ChatCompletionRequest, c: CompletionOutput, text: str, reasoning: str | None
 ) -> tuple[ChatMessage, str | None]:
-    """A choice's message and finish reason: its calls when it stopped after complete ones
-    (finish `tool_calls`), else its text (the content after any think block) as content (a
-    call cut by max_tokens stays text)."""
-    if request.tool_mode != "none" and c.finish_reason == FinishReason.STOP:
-        parsed = parse_tool_calls(text)
-        if parsed is not None:
-            content, calls = parsed
+    """A choice's message and finish reason: its calls when it wrote any, with the text before
+    them as content (finish `tool_calls` when it stopped after complete calls; a call cut by
+    max_tokens keeps its truncated arguments, as the stream sent them), else its text (the
+    content after any think block) as content."""
+    if request.tool_mode != "none":
+        content, calls = split_reply(text)
+        if calls:
             message = ChatMessage(
                 content=content,
                 tool_calls=[ToolCall.of(x) for x in calls],
                 reasoning_content=reasoning,
                 reasoning=reasoning,
             )
-            return message, "tool_calls"
+            return message, _calls_finish(c, text)
     content = text if reasoning is None else text or None  # all reasoning: no content
     message = ChatMessage(content=content, reasoning_content=reasoning, reasoning=reasoning)
     return message, finish_reason(c)
+
+
+def _calls_finish(c: CompletionOutput, text: str) -> str | None:
+    """`tool_calls` when the choice stopped after complete calls, else its own finish."""
+    if c.finish_reason == FinishReason.STOP and parse_tool_calls(text) is not None:
+        return "tool_calls"
+    return finish_reason(c)
 
 
 def _delta(
@@ -251,8 +258,8 @@ def _delta(
     finish = finish_reason(c)
     if is_last:
         content += parser.finish()
-        if c.finish_reason == FinishReason.STOP and parse_tool_calls(parser.text) is not None:
-            finish = "tool_calls"
+        if parser.num_calls:
+            finish = _calls_finish(c, parser.text)
     if not content and not calls and reasoning is None:
         return None, finish
     tool_calls = [_delta_call(d) for d in calls] or None

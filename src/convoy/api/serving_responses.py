@@ -29,6 +29,7 @@ from convoy.api.reasoning import is_thinking_template
 from convoy.api.responses_background import BackgroundResponses
 from convoy.api.responses_items import (
     call_item,
+    call_status,
     completed,
     finish_response,
     not_found,
@@ -255,7 +256,7 @@ class _EventStream:
             events += self.open_text("message")  # no message or call: still one (empty) message
         events += self.close_text("message")
         for item in self.calls.values():
-            item["status"] = "completed"
+            item["status"] = call_status(item["arguments"])
             i = self.index(item["id"])
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                      output_index=i, name=item["name"],

@@ -127,6 +127,32 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]] | None:
     return text[:start].rstrip() or None, calls
 
 
+def split_reply(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """A whole reply as its stream sends it: (the content, or None if empty; the calls
+    started, the last one's arguments as far as they were generated). Where the text parses as
+    complete calls this is parse_tool_calls' answer; a call cut short (max_tokens, a stop
+    string) keeps the calls before it and its own truncated arguments, as OpenAI's API does."""
+    stream = ToolCallStream()
+    content, deltas = stream.feed(text)
+    content += stream.finish()
+    calls: list[ParsedCall] = []
+    for d in deltas:
+        if d.name is not None:
+            calls.append(ParsedCall(d.name, d.arguments))
+        else:
+            calls[d.index].arguments += d.arguments
+    return content or None, calls
+
+
+def is_complete(arguments: str) -> bool:
+    """Whether a call's arguments were generated to their end (a JSON value)."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
+
+
 def _parse_call(text: str, pos: int) -> tuple[ParsedCall, int] | None:
     """The call whose JSON starts at `pos` (after the marker) and the index after its CLOSE."""
     head = _call_head(text, pos)
