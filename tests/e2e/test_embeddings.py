@@ -1,7 +1,7 @@
 """/v1/embeddings through the real server (the session's fp32 SmolLM2) with the official client:
 every input form, float and base64, dimensions, usage, a batch of 64 and beside a running stream
-against the same text alone, LangChain's OpenAIEmbeddings, the Batch API's embedding lines, and
-hostile input answered with a 400 naming the field."""
+against the same text alone, LangChain's OpenAIEmbeddings, the Batch API's embedding lines, an
+input as long as the context, and hostile input answered with a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -168,6 +168,18 @@ def test_hostile_input_is_a_400_naming_the_field(
     err = error_object(response, 400)
     assert err["param"] == param, err
     assert http.get("/health").status_code == 200
+
+
+def test_an_input_may_fill_the_context(client: OpenAI, http: httpx.Client) -> None:
+    """Nothing is generated after an embedding's input: max_model_len tokens are embedded, one
+    more is a 400 that speaks of the input alone."""
+    max_len = http.get(f"/v1/models/{MODEL}").json()["max_model_len"]
+    full = client.embeddings.create(model=MODEL, input=[[100] * max_len])
+    assert full.usage.prompt_tokens == max_len and len(full.data[0].embedding) == DIM
+    err = error_object(http.post("/v1/embeddings",
+                                 json={"model": MODEL, "input": [[100] * (max_len + 1)]}), 400)
+    assert err["param"] == "input" and f"has {max_len + 1} tokens" in err["message"]
+    assert "completion" not in err["message"] and "generate" not in err["message"]
 
 
 def test_unknown_model_is_a_404(client: OpenAI) -> None:

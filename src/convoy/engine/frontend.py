@@ -53,7 +53,14 @@ class InputProcessor:
         self.check_token_ids(prompt_token_ids, param)
         num_tokens = len(prompt_token_ids)
         # a prompt leaves one position to generate into; an embedding's may fill the context
-        if num_tokens >= self.max_model_len + (params.pooling is not None):
+        if params.pooling is not None:
+            if num_tokens > self.max_model_len:
+                raise SamplingParamsError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; the"
+                    f" input has {num_tokens} tokens",
+                    param,
+                )
+        elif num_tokens >= self.max_model_len:
             raise SamplingParamsError(self._too_long(num_tokens, 0), param)
         max_tokens = params.max_tokens or 0
         if max_tokens_must_fit and num_tokens + max_tokens > self.max_model_len:
