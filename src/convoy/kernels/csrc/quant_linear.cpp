@@ -798,10 +798,15 @@ inline __m256i bcast4(const int8_t* p) {
 // 76.7, OLMoE Q4_K_M 62.8 -> 72.6; at the slow moments +3-6%; 20 and 30 fell between, 60 and
 // 80 gained nothing more; 16 streams even (AVX-512) or +12% (AVX2 build), SmolLM2 +3%, prefill
 // and 64 streams unchanged. The hint stays T0: T1 (to L2 only) was no better.
+// That is ~5 KB in flight a thread for one panel at a time (one-row decode; every AVX2 tile). A
+// tile of NP panels asks for each 40 / NP blocks ahead (at least 10, the old distance): the same
+// bytes in flight, not NP times them (40 blocks of a 4-panel zmm tile would be 22 KB, most of a
+// 32 KB L1, where a prefetched line could be evicted before its use).
 constexpr int64_t kPrefetchBlocks = 40;
-template <int64_t BSZ>
+template <int64_t BSZ, int NP>
 inline void prefetch_ahead(const uint8_t* blk, int64_t b, int64_t nb, std::ptrdiff_t jump) {
-  const uint8_t* ahead = blk + kPrefetchBlocks * BSZ + (b + kPrefetchBlocks >= nb ? jump : 0);
+  constexpr int64_t kAhead = std::max<int64_t>(10, kPrefetchBlocks / NP);
+  const uint8_t* ahead = blk + kAhead * BSZ + (b + kAhead >= nb ? jump : 0);
   for (int64_t o = 0; o < BSZ; o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
 }
@@ -1022,7 +1027,7 @@ void panel_q4(const uint8_t* const* panels, int64_t nb, const ActBlock* const* x
     I isum[P][2][MR];
     const uint8_t* const* at = cur.at;
     const uint8_t* const* header = cur.header;
-    for (int q = 0; q < NP; ++q) prefetch_ahead<stride>(at[q], b, nb, jump);
+    for (int q = 0; q < NP; ++q) prefetch_ahead<stride, NP>(at[q], b, nb, jump);
     if constexpr (hoist)
       if (b % kSuperBlocks == 0)
         for (int p = 0; p < P; ++p) {
@@ -1133,7 +1138,7 @@ void panel_q8(const uint8_t* const* wg, int64_t nb, const ActBlock* const* x,
     I isum[P][2][MR];
     for (int q = 0; q < NP; ++q) {
       at[q] = wg[q] + b * bsz;
-      prefetch_ahead<bsz>(at[q], b, nb, jump);
+      prefetch_ahead<bsz, NP>(at[q], b, nb, jump);
     }
     for (int p = 0; p < P; ++p)
       for (int i = 0; i < MR; ++i) isum[p][0][i] = isum[p][1][i] = V::zero();
@@ -1237,7 +1242,7 @@ void panel_bits(const uint8_t* const* panels, int64_t nb, const ActBlock* const*
           dsb[p] = V::sb_d(header, p, 0);
           msb[p] = KIND == kQ6 ? dsb[p] : V::sb_d(header, p, 1);
         }
-    for (int q = 0; q < NP; ++q) prefetch_ahead<stride>(at[q], b, nb, jump);
+    for (int q = 0; q < NP; ++q) prefetch_ahead<stride, NP>(at[q], b, nb, jump);
     for (int p = 0; p < P; ++p) {
       if constexpr (KIND == kQ5) {
         plane[p][0] = plane[p][1] = V::load(at, p, kNibbleBytes);
