@@ -178,6 +178,8 @@ def test_function_tool_round_trip(rclient: OpenAI, rserver: Server) -> None:
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
         ({"input": [{"role": "user", "content": "hi there"}] * 20000}, "input"),  # past the context
         ({"input": 5}, "input"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"conversation": {"id": "conv_1"}}, "conversation"),
     ],
 )
 def test_unsupported_fields(rserver: Server, extra: dict[str, object], param: str) -> None:

@@ -52,9 +52,16 @@ class ResponsesRequest(RequestModel):
     reasoning: Item | None = None
     background: bool | None = None
     include: list[str] | None = None
+    conversation: str | Item | None = None
 
     def check_supported(self) -> None:
         """400 naming each field this server cannot honour."""
+        if self.conversation is not None:  # ignored, a client would think its turns were kept
+            raise SamplingParamsError(
+                "conversation is not supported (there is no Conversations API here); chain"
+                " responses with previous_response_id",
+                "conversation",
+            )
         for i, tool in enumerate(self.tools or []):
             if tool.get("type") != "function":
                 raise SamplingParamsError(
