@@ -2,7 +2,8 @@
 (valid and invalid bodies for the generation routes, /v1/responses among them, and the
 tokenizer's). No case may get a 5xx, a non-OpenAI error, a broken stream or no answer; afterwards
 the server serves a normal request and every KV block is free. bench/fuzz.py runs the same for 10,000+ cases.
-On the same short-context server: a previous_response_id chain ends in a 400 naming input."""
+On the same short-context server: a previous_response_id chain ends in a 400 naming input,
+and with `truncation: auto` it drops the oldest items instead."""
 
 from __future__ import annotations
 
@@ -59,4 +60,35 @@ def test_a_chain_of_responses_ends_at_the_context(fuzz_server: Server) -> None:
         assert last["id"] == ids[-1] and last["status"] in ("completed", "incomplete")
         huge = http.post(url, json={**body, "input": [{"role": "user", "content": "x"}] * 5000})
         assert huge.status_code == 400 and huge.json()["error"]["param"] == "input"
+    fuzz_server.wait_for_metric("convoy_kv_blocks_used", 0)
+
+
+def test_truncation_auto_drops_the_oldest_items(fuzz_server: Server) -> None:
+    """`truncation: auto` (48-token context here): a conversation past the context loses items
+    from its start until it fits, where `disabled` (the default) is a 400 naming input; a
+    previous_response_id chain goes on past where a disabled one ends."""
+    import httpx
+
+    url = f"{fuzz_server.base_url}/v1/responses"
+    turns = [{"role": "user", "content": str(i)} for i in range(30)]
+    body: dict[str, object] = {"input": turns, "max_output_tokens": 2, "temperature": 0}
+    with httpx.Client(headers=fuzz_server.headers, timeout=60) as http:
+        refused = http.post(url, json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
+        kept = http.post(url, json={**body, "truncation": "auto"})
+        assert kept.status_code == 200, kept.text
+        r = kept.json()
+        assert r["truncation"] == "auto" and 0 < r["usage"]["input_tokens"] <= 48 - 2
+        stored = http.get(f"{url}/{r['id']}/input_items", params={"limit": 100}).json()
+        assert len(stored["data"]) == len(turns)  # stored whole; only the model's input is cut
+        alone = http.post(url, json={**body, "input": turns[-1:]}).json()  # the last turn only
+        assert r["usage"]["input_tokens"] > alone["usage"]["input_tokens"]  # more than one kept
+        ids: list[str] = []
+        for _ in range(12):  # a disabled chain of these ends within a few links (the test above)
+            link = {"input": "ok", "max_output_tokens": 1, "temperature": 0, "truncation": "auto"}
+            if ids:
+                link["previous_response_id"] = ids[-1]
+            answer = http.post(url, json=link)
+            assert answer.status_code == 200, answer.text
+            ids.append(answer.json()["id"])
     fuzz_server.wait_for_metric("convoy_kv_blocks_used", 0)

@@ -13,7 +13,7 @@ assistant turn after it, which a thinking template renders or drops as it does i
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -53,6 +53,7 @@ class ResponsesRequest(RequestModel):
     background: bool | None = None
     include: list[str] | None = None
     conversation: str | Item | None = None
+    truncation: Literal["auto", "disabled"] | None = None
 
     def check_supported(self) -> None:
         """400 naming each field this server cannot honour."""
@@ -142,7 +143,7 @@ class ResponsesRequest(RequestModel):
             "store": self.store is not False,
             "background": False,
             "reasoning": {"effort": (self.reasoning or {}).get("effort"), "summary": None},
-            "truncation": "disabled",
+            "truncation": self.truncation or "disabled",
         }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from convoy.api.engine_client import ClosingGenerator
-from convoy.api.errors import from_exception
+from convoy.api.errors import APIError, from_exception
 from convoy.api.metrics import RequestRecord
 from convoy.api.protocol_chat import (
     ChatCompletionChunk,
@@ -38,7 +38,7 @@ from convoy.api.responses_items import (
     text_item,
 )
 from convoy.api.responses_store import ResponseStore, StoredResponse
-from convoy.api.serving_chat import ChatServing
+from convoy.api.serving_chat import ChatServing, render_chat
 from convoy.engine.request import Priority
 from convoy.sampling_params import SamplingParamsError
 
@@ -74,7 +74,10 @@ class ResponsesServing:
         if request.previous_response_id:
             previous = await self.load(request.previous_response_id, "previous_response_id")
             items = previous.conversation + items
-        chat = self.to_chat(request, items)
+        if request.truncation == "auto":  # renders the conversation a few times: off the loop
+            chat = await asyncio.to_thread(self.to_chat, request, items)
+        else:
+            chat = self.to_chat(request, items)
         response = self.new_response(request)
         if request.background:
             return await self.background.submit(request, response, items, chat, record)
@@ -94,10 +97,39 @@ class ResponsesServing:
         Responses field)."""
         thinking = self._thinking(request)
         try:
+            if request.truncation == "auto":
+                items = items[self._num_to_drop(request, items, thinking) :]
             return request.to_chat(items, thinking)
         except ValidationError as e:
             err = e.errors(include_url=False)[0]
             raise SamplingParamsError(f"{err['msg']} at {err['loc']}", "input") from None
+
+    def _num_to_drop(self, request: ResponsesRequest, items: list[Item],
+                     thinking: bool | None) -> int:  # fmt: skip
+        """`truncation: auto`: how many items to drop from the conversation's start so that its
+        prompt fits the context with max_output_tokens (or one token) after it; 0 when it fits,
+        and when not even the last item alone fits (the usual 400 then says so). The stored
+        conversation keeps every item: each response truncates its own input."""
+        client = self.chat.client
+        room = client.max_model_len - (request.max_output_tokens or 1)
+
+        def fits(k: int) -> bool:
+            try:
+                chat = request.to_chat(items[k:], thinking)
+                return len(render_chat(client, chat).token_ids) <= room
+            except (APIError, SamplingParamsError, ValidationError, ValueError):
+                return False  # e.g. a template that wants a user turn first: drop more
+
+        if len(items) <= 1 or fits(0) or not fits(len(items) - 1):
+            return 0
+        lo, hi = 1, len(items) - 1  # the fewest dropped that fits lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def new_response(self, request: ResponsesRequest) -> Item:
         return {
