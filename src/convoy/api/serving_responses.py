@@ -117,7 +117,7 @@ class ResponsesServing:
             try:
                 chat = request.to_chat(items[k:], thinking)
                 return len(render_chat(client, chat).token_ids) <= room
-            except (APIError, SamplingParamsError, ValidationError, ValueError):
+            except (APIError, ValueError):  # ValidationError, SamplingParamsError are ValueErrors
                 return False  # e.g. a template that wants a user turn first: drop more
 
         if len(items) <= 1 or fits(0) or not fits(len(items) - 1):

@@ -53,15 +53,9 @@ class InputProcessor:
         self.check_token_ids(prompt_token_ids, param)
         num_tokens = len(prompt_token_ids)
         # a prompt leaves one position to generate into; an embedding's may fill the context
-        if params.pooling is not None:
-            if num_tokens > self.max_model_len:
-                raise SamplingParamsError(
-                    f"this model's maximum context length is {self.max_model_len} tokens; the"
-                    f" input has {num_tokens} tokens",
-                    param,
-                )
-        elif num_tokens >= self.max_model_len:
-            raise SamplingParamsError(self._too_long(num_tokens, 0), param)
+        pooling = params.pooling is not None
+        if num_tokens >= self.max_model_len + pooling:
+            raise SamplingParamsError(self._too_long(num_tokens, 0, pooling), param)
         max_tokens = params.max_tokens or 0
         if max_tokens_must_fit and num_tokens + max_tokens > self.max_model_len:
             raise SamplingParamsError(self._too_long(num_tokens, max_tokens), "max_tokens")
@@ -83,11 +77,13 @@ class InputProcessor:
                 f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param
             )
 
-    def _too_long(self, num_prompt_tokens: int, max_tokens: int) -> str:
+    def _too_long(self, num_prompt_tokens: int, max_tokens: int, pooling: bool = False) -> str:
+        head = f"this model's maximum context length is {self.max_model_len} tokens; the"
+        if pooling:  # nothing is generated after an embedding's input
+            return f"{head} input has {num_prompt_tokens} tokens"
         return (
-            f"this model's maximum context length is {self.max_model_len} tokens; the request"
-            f" has {num_prompt_tokens} prompt tokens and asks for {max_tokens} completion tokens"
-            + ("" if max_tokens else " (at least one must be left to generate)")
+            f"{head} request has {num_prompt_tokens} prompt tokens and asks for {max_tokens}"
+            " completion tokens" + ("" if max_tokens else " (at least one must be left to generate)")
         )
 
 
