@@ -182,7 +182,9 @@ def test_batch_chat_lines(tclient: OpenAI, model: str) -> None:
 # -- Responses ---------------------------------------------------------------------------------
 
 
-def test_responses_reasoning_item(tclient: OpenAI, model: str, script: Script) -> None:
+def test_responses_reasoning_item(
+    tclient: OpenAI, model: str, script: Script, tserver: Server
+) -> None:
     r = tclient.responses.create(model=model, input="Hi", temperature=0, max_output_tokens=40)
     assert [item.type for item in r.output] == ["reasoning", "message"]
     item = r.output[0]
@@ -197,6 +199,19 @@ def test_responses_reasoning_item(tclient: OpenAI, model: str, script: Script) -
                                    reasoning={"effort": "minimal"})  # fmt: skip
     assert [item.type for item in off.output] == ["message"] and off.output_text == PLAIN
     assert off.reasoning is not None and off.reasoning.effort == "minimal"
+    # logprobs: none for a reply that thinks (as OpenAI's reasoning models), a 400 before it
+    # runs; with thinking off the message's tokens, as for any model
+    include = ["message.output_text.logprobs"]
+    url, headers = f"{tserver.base_url}/v1/responses", tserver.headers
+    for background in (False, True):
+        refused = httpx.post(url, headers=headers, json={"model": model, "input": "Hi",
+                                                         "include": include,
+                                                         "background": background})  # fmt: skip
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "include"
+    scored = tclient.responses.create(model=model, input="Hi", temperature=0, include=include,  # type: ignore[list-item]
+                                      reasoning={"effort": "minimal"})  # fmt: skip
+    assert scored.output_text == PLAIN
+    assert "".join(lp.token for lp in scored.output[0].content[0].logprobs) == PLAIN
     # the reasoning item back as input (a follow-up), and the stored conversation holding it
     follow = tclient.responses.create(
         model=model,

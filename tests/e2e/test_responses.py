@@ -7,6 +7,7 @@ naming the field."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,6 +109,71 @@ def test_stream(rclient: OpenAI) -> None:
     assert raw[-1].response.output_text == whole.output_text
 
 
+LOGPROBS = {"model": MODEL, "input": "Name three colours.", "max_output_tokens": 16,
+            "temperature": 0, "include": ["message.output_text.logprobs"], "top_logprobs": 3}  # fmt: skip
+
+
+def _entries(items: list[object]) -> list[dict[str, object]]:
+    return [i.model_dump() for i in items]  # type: ignore[attr-defined]
+
+
+def test_output_text_logprobs(rclient: OpenAI) -> None:
+    """include message.output_text.logprobs: each token of the message with its top_logprobs
+    (greedy: the token is the first of them), the same whole, streamed, stored and in the
+    background; the deltas' logprobs are their own tokens and add up to the done event's."""
+    whole = rclient.responses.create(**LOGPROBS)  # type: ignore[call-overload]
+    assert whole.top_logprobs == 3
+    logprobs = whole.output[0].content[0].logprobs
+    assert logprobs and "".join(lp.token for lp in logprobs) == whole.output_text
+    for lp in logprobs:
+        tops = lp.top_logprobs
+        assert len(tops) == 3 and lp.logprob <= 0 and lp.bytes == list(lp.token.encode())
+        assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert tops[0].token == lp.token and tops[0].logprob == lp.logprob
+    deltas, pieces = [], []
+    for event in rclient.responses.create(stream=True, **LOGPROBS):  # type: ignore[call-overload]
+        if event.type == "response.output_text.delta":
+            assert "".join(lp.token for lp in event.logprobs) == event.delta
+            deltas += event.logprobs
+            pieces.append(event.delta)
+        elif event.type == "response.output_text.done":
+            done = event.logprobs
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert len(pieces) > 1 and "".join(pieces) == whole.output_text
+    assert _entries(deltas) == _entries(done) == _entries(logprobs)
+    assert _entries(final.output[0].content[0].logprobs) == _entries(logprobs)
+    stored = rclient.responses.retrieve(whole.id)
+    assert _entries(stored.output[0].content[0].logprobs) == _entries(logprobs)
+    queued = rclient.responses.create(background=True, **LOGPROBS)  # type: ignore[call-overload]
+    for _ in range(600):
+        if (queued := rclient.responses.retrieve(queued.id)).status not in ("queued",
+                                                                            "in_progress"):  # fmt: skip
+            break
+        time.sleep(0.1)
+    assert queued.status == whole.status
+    assert _entries(queued.output[0].content[0].logprobs) == _entries(logprobs)
+    # top_logprobs alone asks for none (as OpenAI's); 0 lists no alternatives
+    plain = rclient.responses.create(**{**LOGPROBS, "include": []})  # type: ignore[call-overload]
+    assert plain.output_text == whole.output_text and plain.output[0].content[0].logprobs == []
+    bare = rclient.responses.create(**{**LOGPROBS, "top_logprobs": 0})  # type: ignore[call-overload]
+    assert [lp.token for lp in bare.output[0].content[0].logprobs] == [
+        lp.token for lp in logprobs
+    ] and all(lp.top_logprobs == [] for lp in bare.output[0].content[0].logprobs)
+
+
+def test_logprobs_of_a_tool_call_reply(rclient: OpenAI) -> None:
+    """A reply that is a call: no message, so no logprobs, whole and streamed alike."""
+    body = {**LOGPROBS, "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 60,
+            "input": "What is the weather in Paris?"}  # fmt: skip
+    whole = rclient.responses.create(**body)  # type: ignore[call-overload]
+    assert whole.output and all(item.type == "function_call" for item in whole.output)
+    events = list(rclient.responses.create(stream=True, **body))  # type: ignore[call-overload]
+    assert not [e for e in events if e.type.startswith("response.output_text")]
+    streamed = events[-1].response.output
+    assert [c.arguments for c in streamed] == [c.arguments for c in whole.output]  # type: ignore[union-attr]
+
+
 class City(BaseModel):
     name: str
     country: str
@@ -163,6 +229,10 @@ def test_function_tool_round_trip(rclient: OpenAI, rserver: Server) -> None:
         ({"background": True, "store": False}, "store"),
         ({"background": True, "stream": True}, "stream"),
         ({"include": ["file_search_call.results"]}, "include"),
+        ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+        ({"include": ["message.output_text.logprobs"], "top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": "2"}, "top_logprobs"),
+        ({"include": "message.output_text.logprobs"}, "include"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0].type",

@@ -20,11 +20,12 @@ from pydantic import Field
 from convoy.api.protocol_base import OpenAIModel, RequestModel
 from convoy.api.protocol_chat import ChatCompletionRequest
 from convoy.api.protocol_common import MAX_INT32
-from convoy.sampling_params import SamplingParamsError
+from convoy.sampling_params import MAX_LOGPROBS, SamplingParamsError
 
 Item = dict[str, Any]
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_INCLUDABLE: set[str] = set()  # no `include` value is honoured yet
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value honoured
+_INCLUDABLE = {LOGPROBS}
 _EFFORT_THINKS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
                   "xhigh": True}  # fmt: skip
 
@@ -52,6 +53,7 @@ class ResponsesRequest(RequestModel):
     reasoning: Item | None = None
     background: bool | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     conversation: str | Item | None = None
     truncation: Literal["auto", "disabled"] | None = None
 
@@ -82,6 +84,11 @@ class ResponsesRequest(RequestModel):
             if value not in _INCLUDABLE:
                 raise SamplingParamsError(f"include value {value!r} is not supported", "include")
 
+    def wants_logprobs(self) -> bool:
+        """`include` asks for the message text's logprobs (`top_logprobs` alone does not, as in
+        OpenAI's API: it sets how many alternatives each token lists)."""
+        return LOGPROBS in (self.include or [])
+
     def thinking(self) -> bool | None:
         """`reasoning.effort` as enable_thinking (None when not set)."""
         effort = (self.reasoning or {}).get("effort")
@@ -107,14 +114,19 @@ class ResponsesRequest(RequestModel):
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
         messages += items_to_messages(items)
-        body: Item = {"messages": messages, "stream": bool(self.stream)}
-        if self.stream:
+        # logprobs: a whole response too runs as a stream (responses_stream.py)
+        streamed = bool(self.stream) or self.wants_logprobs()
+        body: Item = {"messages": messages, "stream": streamed}
+        if streamed:
             body["stream_options"] = {"include_usage": True}
         for name in ("model", "temperature", "top_p", "user", "parallel_tool_calls"):
             if (value := getattr(self, name)) is not None:
                 body[name] = value
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
+        if self.wants_logprobs():
+            body["logprobs"] = True
+            body["top_logprobs"] = self.top_logprobs or 0
         if self.tools:
             body["tools"] = [_chat_tool(t) for t in self.tools]
         if self.tool_choice is not None:
@@ -144,6 +156,7 @@ class ResponsesRequest(RequestModel):
             "background": False,
             "reasoning": {"effort": (self.reasoning or {}).get("effort"), "summary": None},
             "truncation": self.truncation or "disabled",
+            "top_logprobs": self.top_logprobs or 0,
         }
 
 

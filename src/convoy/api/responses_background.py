@@ -22,8 +22,9 @@ from convoy.api.errors import APIError, from_exception
 from convoy.api.metrics import RequestRecord
 from convoy.api.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from convoy.api.protocol_responses import Item, ResponseBody, ResponsesRequest
-from convoy.api.responses_items import completed, not_found, responses_params
+from convoy.api.responses_items import check_logprobs, completed, not_found, responses_params
 from convoy.api.responses_store import ResponseStore, StoredResponse
+from convoy.api.responses_stream import EventStream, assemble
 from convoy.api.serving_base import Job
 from convoy.api.serving_chat import ChatServing
 from convoy.engine.errors import EngineUnavailableError
@@ -103,7 +104,9 @@ class BackgroundResponses:
 
     async def _prepare(self, chat: ChatCompletionRequest, record: RequestRecord | None) -> _Prepared:
         with responses_params():
-            return await self.chat.prepare(chat, record, None, Priority.BATCH)
+            prepared = await self.chat.prepare(chat, record, None, Priority.BATCH)
+        check_logprobs(chat, self.chat.think_start(prepared[0].prompts))
+        return prepared
 
     def _start(self, response: Item, items: list[Item], prepared: _Prepared, request: str) -> None:
         response_id = response["id"]
@@ -124,6 +127,10 @@ class BackgroundResponses:
         try:
             await asyncio.shield(write)
             result = await self.chat.run(*prepared)
+            if isinstance(result, ChatCompletionResponse):
+                completed(response, result)
+            else:  # logprobs: run as a stream (responses_stream.py)
+                await assemble(EventStream(response, logprobs=True, whole=True), result)
         except asyncio.CancelledError:
             await asyncio.gather(write, return_exceptions=True)
             if response_id in self._cancelled:
@@ -138,8 +145,6 @@ class BackgroundResponses:
             await self._end(response, items, "failed", {"code": "server_error",
                                                         "message": err.message})  # fmt: skip
             return
-        assert isinstance(result, ChatCompletionResponse)  # never streamed
-        completed(response, result)
         await self._end(response, items, response["status"])
 
     async def _end(

@@ -8,9 +8,10 @@ import time
 from collections.abc import Iterator
 
 from convoy.api.errors import APIError
-from convoy.api.protocol_chat import ChatCompletionResponse
+from convoy.api.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from convoy.api.protocol_common import UsageInfo
 from convoy.api.protocol_responses import Item, new_item_id
+from convoy.api.reasoning import ThinkStart
 from convoy.api.tool_format import is_complete
 from convoy.sampling_params import SamplingParamsError
 from convoy.structured.params import StructuredOutputsError
@@ -43,20 +44,36 @@ def usage_item(u: UsageInfo | None) -> Item | None:
     }
 
 
-def part(kind: str, text: str) -> Item:
-    """A message's output_text part, or a reasoning item's reasoning_text part."""
+def part(kind: str, text: str, logprobs: list[Item] | None = None) -> Item:
+    """A message's output_text part (its tokens' `logprobs` when asked for, else []), or a
+    reasoning item's reasoning_text part."""
     if kind == "message":
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"type": "output_text", "text": text, "annotations": [],
+                "logprobs": logprobs or []}  # fmt: skip
     return {"type": "reasoning_text", "text": text}
 
 
-def text_item(item_id: str, text: str, status: str, kind: str = "message") -> Item:
+def text_item(
+    item_id: str, text: str, status: str, kind: str = "message",
+    logprobs: list[Item] | None = None,
+) -> Item:  # fmt: skip
     """A message item, or (kind `reasoning`) a reasoning item: no summary, the text whole."""
     if kind == "reasoning":
         return {"id": item_id, "type": "reasoning", "summary": [],
                 "content": [part(kind, text)], "status": status}  # fmt: skip
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [part(kind, text)]}  # fmt: skip
+            "content": [part(kind, text, logprobs)]}  # fmt: skip
+
+
+def check_logprobs(chat: ChatCompletionRequest, start: ThinkStart) -> None:
+    """A reply that may think gets no logprobs (OpenAI's reasoning models refuse them too): a
+    400 once its prompt is rendered (`start`: its ThinkStart), before it runs."""
+    if chat.logprobs and start != ThinkStart.OFF:
+        raise SamplingParamsError(
+            "logprobs are not available for a reasoning model's reply (its think block); set"
+            " reasoning.effort to none or minimal to answer without thinking",
+            "include",
+        )
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Item:

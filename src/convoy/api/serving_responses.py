@@ -10,34 +10,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
-from typing import Any
 
 from pydantic import ValidationError
 
 from convoy.api.engine_client import ClosingGenerator
-from convoy.api.errors import APIError, from_exception
+from convoy.api.errors import APIError
 from convoy.api.metrics import RequestRecord
 from convoy.api.protocol_chat import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
 )
-from convoy.api.protocol_common import UsageInfo
 from convoy.api.protocol_responses import Item, ResponseBody, ResponsesRequest, new_item_id
 from convoy.api.reasoning import is_thinking_template
 from convoy.api.responses_background import BackgroundResponses
-from convoy.api.responses_items import (
-    call_item,
-    call_status,
-    completed,
-    finish_response,
-    not_found,
-    part,
-    responses_params,
-    text_item,
-)
+from convoy.api.responses_items import check_logprobs, completed, not_found, responses_params
 from convoy.api.responses_store import ResponseStore, StoredResponse
+from convoy.api.responses_stream import EventStream, assemble
 from convoy.api.serving_chat import ChatServing, render_chat
 from convoy.engine.request import Priority
 from convoy.sampling_params import SamplingParamsError
@@ -82,15 +70,24 @@ class ResponsesServing:
         if request.background:
             return await self.background.submit(request, response, items, chat, record)
         with responses_params():
-            result = await self.chat.create(chat, record, size, priority=priority)
+            job, engine_requests = await self.chat.prepare(chat, record, size, priority)
+        check_logprobs(chat, self.chat.think_start(job.prompts))
+        result = await self.chat.run(job, engine_requests)
         if isinstance(result, ChatCompletionResponse):
             completed(response, result)
             await self._save(request, response, items)
             return ResponseBody(**response)
+
+        async def save(finished: Item) -> None:
+            await self._save(request, finished, items)
+
+        events = EventStream(response, logprobs=request.wants_logprobs(), save=save,
+                             whole=not request.stream)  # fmt: skip
+        if not request.stream:  # asked for logprobs: the stream's last response
+            return ResponseBody(**await assemble(events, result))
         # closing the events closes the chat chunks (and so aborts the engine requests) even
         # when the client left before the first event
-        return ClosingGenerator(_EventStream(self, request, response, items).run(result),
-                                result.aclose)  # fmt: skip
+        return ClosingGenerator(events.run(result), result.aclose)
 
     def to_chat(self, request: ResponsesRequest, items: list[Item]) -> ChatCompletionRequest:
         """The chat request that runs `request` over the conversation `items` (400s name the
@@ -152,150 +149,3 @@ class ResponsesServing:
     async def _save(self, request: ResponsesRequest, response: Item, items: list[Item]) -> None:
         if request.store is not False and self.store is not None:
             await asyncio.to_thread(self.store.put, response, items)
-
-
-class _EventStream:
-    """Chat chunks -> Responses' events, each with its type and a sequence number from 0."""
-
-    def __init__(
-        self, serving: ResponsesServing, request: ResponsesRequest, response: Item,
-        items: list[Item],
-    ) -> None:  # fmt: skip
-        self.serving, self.request, self.response, self.items = serving, request, response, items
-        self.seq = 0
-        self.open: dict[str, tuple[str, str]] = {}  # kind -> (item id, text) of an open item
-        self.calls: dict[int, Item] = {}  # chat's call index -> its function_call item
-        self.output: list[Item] = []  # items in output order (dicts updated in place)
-
-    def event(self, kind: str, **fields: Any) -> ResponseBody:
-        body = ResponseBody.model_validate({"type": kind, "sequence_number": self.seq, **fields})
-        self.seq += 1
-        return body
-
-    def snapshot(self) -> Item:
-        return {**self.response, "output": list(self.output)}
-
-    async def run(
-        self, chunks: AsyncGenerator[ChatCompletionChunk, None]
-    ) -> AsyncGenerator[ResponseBody, None]:
-        yield self.event("response.created", response=self.snapshot())
-        yield self.event("response.in_progress", response=self.snapshot())
-        finish: str | None = None
-        usage: UsageInfo | None = None
-        try:
-            async with aclosing(chunks):
-                async for chunk in chunks:
-                    usage = chunk.usage or usage
-                    for choice in chunk.choices:
-                        finish = choice.finish_reason or finish
-                        delta = choice.delta
-                        events = self.text_delta("reasoning", delta.reasoning_content)
-                        events += self.text_delta("message", delta.content)
-                        for ev in events + self.calls_delta(delta.tool_calls):
-                            yield ev
-        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
-            err = from_exception(e)
-            yield self.event("error", code=err.code, message=err.message, param=err.param)
-            self.response.update(status="failed", output=self.output,
-                                 error={"code": "server_error",
-                                        "message": err.message})  # fmt: skip
-            yield self.event("response.failed", response=self.snapshot())
-            return
-        for ev in self.close_all():
-            yield ev
-        self.response["output"] = self.output
-        finish_response(self.response, finish, usage)
-        await self.serving._save(self.request, self.response, self.items)
-        kind = "response.incomplete" if finish == "length" else "response.completed"
-        yield self.event(kind, response=self.response)
-
-    def text_delta(self, kind: str, text: str | None) -> list[ResponseBody]:
-        """A piece of the message's text, or of the reasoning item's (which closes when the
-        message opens)."""
-        if not text:
-            return []
-        events = self.close_text("reasoning") if kind == "message" else []
-        if kind not in self.open:
-            events += self.open_text(kind)
-        item_id, so_far = self.open[kind]
-        self.open[kind] = (item_id, so_far + text)
-        extra: Item = {"logprobs": []} if kind == "message" else {}
-        events.append(self.event(f"{_EVENTS[kind]}.delta", item_id=item_id,
-                                 output_index=self.index(item_id), content_index=0, delta=text,
-                                 **extra))  # fmt: skip
-        return events
-
-    def calls_delta(self, calls: list[Any] | None) -> list[ResponseBody]:
-        events: list[ResponseBody] = []
-        for call in calls or []:
-            if call.id is not None:
-                events += self.close_text("reasoning") + self.close_text("message")
-                item = call_item(new_item_id("fc"), call.id, call.function.name or "", "",
-                                  "in_progress")  # fmt: skip
-                self.calls[call.index] = item
-                self.output.append(item)
-                events.append(
-                    self.event(
-                        "response.output_item.added",
-                        output_index=len(self.output) - 1,
-                        item=dict(item),
-                    )
-                )
-            item = self.calls[call.index]
-            if call.function.arguments:
-                item["arguments"] += call.function.arguments
-                events.append(self.event("response.function_call_arguments.delta",
-                                         item_id=item["id"], output_index=self.index(item["id"]),
-                                         delta=call.function.arguments))  # fmt: skip
-        return events
-
-    def index(self, item_id: str) -> int:
-        return next(i for i, item in enumerate(self.output) if item["id"] == item_id)
-
-    def open_text(self, kind: str) -> list[ResponseBody]:
-        item_id = new_item_id(_ID_PREFIX[kind])
-        self.open[kind] = (item_id, "")
-        item = text_item(item_id, "", "in_progress", kind)
-        item["content"] = []
-        self.output.append(item)
-        i = len(self.output) - 1
-        return [
-            self.event("response.output_item.added", output_index=i, item=dict(item)),
-            self.event("response.content_part.added", item_id=item_id, output_index=i,
-                       content_index=0, part=part(kind, "")),
-        ]  # fmt: skip
-
-    def close_text(self, kind: str) -> list[ResponseBody]:
-        if kind not in self.open:
-            return []
-        item_id, text = self.open.pop(kind)
-        i = self.index(item_id)
-        done = text_item(item_id, text, "completed", kind)
-        self.output[i] = done
-        part = done["content"][0]
-        extra: Item = {"logprobs": []} if kind == "message" else {}
-        return [
-            self.event(f"{_EVENTS[kind]}.done", item_id=item_id, output_index=i,
-                       content_index=0, text=text, **extra),
-            self.event("response.content_part.done", item_id=item_id, output_index=i,
-                       content_index=0, part=part),
-            self.event("response.output_item.done", output_index=i, item=done),
-        ]  # fmt: skip
-
-    def close_all(self) -> list[ResponseBody]:
-        events = self.close_text("reasoning")
-        if not any(item["type"] != "reasoning" for item in self.output):
-            events += self.open_text("message")  # no message or call: still one (empty) message
-        events += self.close_text("message")
-        for item in self.calls.values():
-            item["status"] = call_status(item["arguments"])
-            i = self.index(item["id"])
-            events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
-                                     output_index=i, name=item["name"],
-                                     arguments=item["arguments"]))  # fmt: skip
-            events.append(self.event("response.output_item.done", output_index=i, item=item))
-        return events
-
-
-_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
-_ID_PREFIX = {"message": "msg", "reasoning": "rs"}
