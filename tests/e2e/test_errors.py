@@ -86,6 +86,9 @@ BAD_CHATS = [
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": 2.5}, "temperature"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {}}, "web_search_options"),
 ]
 
 

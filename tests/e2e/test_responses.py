@@ -250,6 +250,7 @@ def test_function_tool_round_trip(rclient: OpenAI, rserver: Server) -> None:
         ({"input": 5}, "input"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"conversation": {"id": "conv_1"}}, "conversation"),
+        ({"prompt": {"id": "pmpt_1", "version": "2"}}, "prompt"),
     ],
 )
 def test_unsupported_fields(rserver: Server, extra: dict[str, object], param: str) -> None:

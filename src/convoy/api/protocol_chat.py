@@ -28,9 +28,20 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
+    # OpenAI's, for outputs this server has no model for: a 400 naming them, not a text reply
+    # the client would read as the audio or search it asked for
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
+        if any(m != "text" for m in self.modalities or []):
+            raise SamplingParamsError("only text output is supported", "modalities")
+        if self.audio is not None:
+            raise SamplingParamsError("audio output is not supported", "audio")
+        if self.web_search_options is not None:
+            raise SamplingParamsError("web search is not supported", "web_search_options")
         for message in self.messages:
             message.check()
         if self.chat_template_kwargs:

@@ -55,6 +55,7 @@ class ResponsesRequest(RequestModel):
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     conversation: str | Item | None = None
+    prompt: Item | None = None  # a stored prompt template: none are stored here (a 400)
     truncation: Literal["auto", "disabled"] | None = None
 
     def check_supported(self) -> None:
@@ -64,6 +65,12 @@ class ResponsesRequest(RequestModel):
                 "conversation is not supported (there is no Conversations API here); chain"
                 " responses with previous_response_id",
                 "conversation",
+            )
+        if self.prompt is not None:  # ignored, the reply would answer an empty input
+            raise SamplingParamsError(
+                "prompt (a stored prompt template) is not supported; send its text as"
+                " instructions and input",
+                "prompt",
             )
         for i, tool in enumerate(self.tools or []):
             if tool.get("type") != "function":
