@@ -162,6 +162,28 @@ def test_output_text_logprobs(rclient: OpenAI) -> None:
     ] and all(lp.top_logprobs == [] for lp in bare.output[0].content[0].logprobs)
 
 
+def test_allowed_tools(rclient: OpenAI, rserver: Server) -> None:
+    """tool_choice allowed_tools narrows the calls to its functions (every tool in the
+    prompt); its tools must be function tools in `tools`."""
+    time_tool = {**WEATHER, "name": "get_time"}
+    body = {"model": MODEL, "input": "What is the weather in Paris?", "temperature": 0,
+            "tools": [WEATHER, time_tool], "max_output_tokens": 80}  # fmt: skip
+    free = rclient.responses.create(**body, tool_choice="required")  # type: ignore[call-overload]
+    assert "get_weather" in {item.name for item in free.output}  # type: ignore[union-attr]
+    only = {"type": "allowed_tools", "mode": "required",
+            "tools": [{"type": "function", "name": "get_time"}]}  # fmt: skip
+    narrowed = rclient.responses.create(**body, tool_choice=only)  # type: ignore[call-overload]
+    assert narrowed.output and {item.name for item in narrowed.output} == {"get_time"}  # type: ignore[union-attr]
+    assert narrowed.tool_choice.type == "allowed_tools"  # type: ignore[union-attr]
+    url = f"{rserver.base_url}/v1/responses"
+    for tools, param in (([{"type": "function", "name": "nope"}], "tool_choice"),
+                         ([{"type": "mcp", "server_label": "x"}], "tool_choice.tools[0]"),
+                         (5, "tool_choice.tools")):  # fmt: skip
+        bad = httpx.post(url, headers=rserver.headers,
+                         json={**body, "tool_choice": {**only, "tools": tools}})  # fmt: skip
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
 def test_logprobs_of_a_tool_call_reply(rclient: OpenAI) -> None:
     """A reply that is a call: no message, so no logprobs, whole and streamed alike."""
     body = {**LOGPROBS, "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 60,

@@ -113,6 +113,9 @@ def replies(server: Server) -> dict[str, Any]:
     fan = {"model": MODEL, "messages": [{"role": "user", "content": "Fan to fast, level 3."}],
            "tools": [FAN], "temperature": 0}  # fmt: skip
     named = {"type": "function", "function": {"name": "get_time"}}
+    only_time = [{"type": "function", "function": {"name": "get_time"}}]
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": only_time}}
+    allowed_auto = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": only_time}}
 
     async def run() -> list[Any]:
         return await asyncio.gather(
@@ -127,10 +130,13 @@ def replies(server: Server) -> dict[str, Any]:
             create(**{**SINGLE, "max_tokens": 12}),
             create(**{**SINGLE, "max_tokens": 20}),
             _reassembled(aclient, {**SINGLE, "max_tokens": 20}),
+            create(**{**SINGLE, "tool_choice": allowed}),
+            create(**{**SINGLE, "tool_choice": allowed_auto,
+                      "logit_bias": {str(t): 100 for t in marker["tokens"]}}),
         )  # fmt: skip
 
     names = ["single", "streamed", "named", "parsed", "auto_forced", "auto_text", "cut",
-             "cut_args", "cut_args_streamed"]  # fmt: skip
+             "cut_args", "cut_args_streamed", "allowed", "allowed_auto"]  # fmt: skip
     return dict(zip(names, asyncio.run(run()), strict=True))
 
 
@@ -141,6 +147,14 @@ def test_required_and_named_calls_match_their_schemas(replies: dict[str, Any]) -
     assert len({c.id for c in named}) == len(named)
     parsed = replies["parsed"].choices[0].message.tool_calls[0].function.parsed_arguments
     assert isinstance(parsed, GetWeather) and single.function.name == "get_weather"
+
+
+def test_allowed_tools_narrow_the_calls(replies: dict[str, Any]) -> None:
+    """tool_choice allowed_tools: SINGLE calls get_weather unnarrowed; allowed only get_time,
+    required or auto (the marker forced), its calls name get_time."""
+    assert assert_valid_calls(replies["single"].choices[0])[0].function.name == "get_weather"
+    assert_valid_calls(replies["allowed"].choices[0], {"get_time"})
+    assert_valid_calls(replies["allowed_auto"].choices[0], {"get_time"})
 
 
 def test_a_streamed_call_reassembles_into_the_whole_response(replies: dict[str, Any]) -> None:
@@ -229,6 +243,12 @@ BAD = [
     ({"tools": [TIME], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "nope"),
     ({"tools": [TIME, TIME]}, "tools", "get_time"),
+    ({"tools": [TIME], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}}},
+     "tool_choice", "nope"),
+    ({"tools": [TIME], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "maybe", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}},
+     "tool_choice", "auto"),
     ({"tools": [_tool(f"f{i}", None) for i in range(129)]}, "tools", "128"),
     ({"tools": [TIME, _tool("bad", {"properties": {"a": {"type": "nosuch"}}})]}, "tools",
      "tools[1] (bad): the JSON schema does not compile"),

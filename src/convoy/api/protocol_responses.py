@@ -277,6 +277,17 @@ def _echo_tool(tool: Item) -> Item:
 def _chat_tool_choice(choice: str | Item) -> str | Item:
     if isinstance(choice, str):
         return choice
+    if choice.get("type") == "allowed_tools":  # its function tools, as chat names them
+        tools = choice.get("tools")
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise SamplingParamsError("allowed_tools lists tools", "tool_choice.tools")
+        for i, tool in enumerate(tools):
+            if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+                raise SamplingParamsError("only function tools are supported",
+                                          f"tool_choice.tools[{i}]")  # fmt: skip
+        named = [{"type": "function", "function": {"name": t["name"]}} for t in tools]
+        return {"type": "allowed_tools",
+                "allowed_tools": {"mode": choice.get("mode"), "tools": named}}  # fmt: skip
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
         raise SamplingParamsError("tool_choice must name a function", "tool_choice")
     return {"type": "function", "function": {"name": choice["name"]}}

@@ -106,13 +106,26 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+class AllowedTools(RequestModel):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1, max_length=MAX_TOOLS)
+
+
+class AllowedToolChoice(RequestModel):
+    """OpenAI's `allowed_tools`: every tool stays in the prompt, calls may name only these."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolChoice
 
 
 class ToolsRequest(RequestModel):
     """Chat's tool fields. Mode: `none` (tools only described in the prompt), `auto` (text, or
     calls after the opening marker), `required` (calls only); a named function is `required`
-    with that function alone. Default: `auto` with tools, else `none`."""
+    with that function alone; `allowed_tools` its mode with calls to its functions alone (the
+    prompt lists every tool). Default: `auto` with tools, else `none`."""
 
     tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
@@ -124,7 +137,18 @@ class ToolsRequest(RequestModel):
             return "none"
         if isinstance(self.tool_choice, NamedToolChoice):
             return "required"
+        if isinstance(self.tool_choice, AllowedToolChoice):
+            return self.tool_choice.allowed_tools.mode
         return self.tool_choice or "auto"
+
+    def allowed_names(self) -> set[str] | None:
+        """The functions a call may name when tool_choice narrows them (None: every tool)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return {choice.function.name}
+        if isinstance(choice, AllowedToolChoice):
+            return {t.function.name for t in choice.allowed_tools.tools}
+        return None
 
     def check_tools(self) -> None:
         """Cross-field rules and each function's parameters schema (the structured-outputs
@@ -136,12 +160,12 @@ class ToolsRequest(RequestModel):
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise SamplingParamsError(f"two tools are named {dup!r}", "tools")
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise SamplingParamsError(
-                f"tool_choice names the function {choice.function.name!r}, which is not in tools",
-                "tool_choice",
-            )
+        for name in sorted(self.allowed_names() or ()):
+            if name not in names:
+                raise SamplingParamsError(
+                    f"tool_choice names the function {name!r}, which is not in tools",
+                    "tool_choice",
+                )
         size = 0
         for i, tool in enumerate(self.tools or []):
             size += _checked_size(i, tool.function)
@@ -157,13 +181,12 @@ class ToolsRequest(RequestModel):
 
     def constrained_functions(self) -> list[tuple[int, str, dict[str, Any]]]:
         """(index in tools, name, parameters schema) of each function a call may name: all of
-        them, or the one tool_choice names."""
-        choice = self.tool_choice
-        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        them, or those tool_choice names."""
+        allowed = self.allowed_names()
         return [
             (i, t.function.name, _object_schema(t.function))
             for i, t in enumerate(self.tools or [])
-            if named in (None, t.function.name)
+            if allowed is None or t.function.name in allowed
         ]
 
     def tool_constraint(self) -> Constraint | None:

@@ -24,6 +24,11 @@ _CHAT_PARAMS = {
 }
 
 
+def responses_param(chat_param: str) -> str:
+    """The Responses field a chat field came from."""
+    return _CHAT_PARAMS.get(chat_param, chat_param)
+
+
 def not_found(response_id: str, param: str = "response_id") -> APIError:
     return APIError(404, f"no response with id {response_id!r}", param=param)
 
@@ -104,11 +109,11 @@ def responses_params() -> Iterator[None]:
     try:
         yield
     except (SamplingParamsError, StructuredOutputsError) as e:
-        e.param = _CHAT_PARAMS.get(e.param, e.param)
+        e.param = responses_param(e.param)
         raise
     except APIError as e:  # e.g. a conversation past the context
         if e.param is not None:
-            e.param = _CHAT_PARAMS.get(e.param, e.param)
+            e.param = responses_param(e.param)
         raise
 
 

@@ -23,7 +23,13 @@ from convoy.api.protocol_chat import (
 from convoy.api.protocol_responses import Item, ResponseBody, ResponsesRequest, new_item_id
 from convoy.api.reasoning import is_thinking_template
 from convoy.api.responses_background import BackgroundResponses
-from convoy.api.responses_items import check_logprobs, completed, not_found, responses_params
+from convoy.api.responses_items import (
+    check_logprobs,
+    completed,
+    not_found,
+    responses_param,
+    responses_params,
+)
 from convoy.api.responses_store import ResponseStore, StoredResponse
 from convoy.api.responses_stream import EventStream, assemble
 from convoy.api.serving_chat import ChatServing, render_chat
@@ -99,7 +105,9 @@ class ResponsesServing:
             return request.to_chat(items, thinking)
         except ValidationError as e:
             err = e.errors(include_url=False)[0]
-            raise SamplingParamsError(f"{err['msg']} at {err['loc']}", "input") from None
+            where = str(err["loc"][0]) if err["loc"] else "messages"
+            raise SamplingParamsError(f"{err['msg']} at {err['loc']}",
+                                      responses_param(where)) from None  # fmt: skip
 
     def _num_to_drop(self, request: ResponsesRequest, items: list[Item],
                      thinking: bool | None) -> int:  # fmt: skip
