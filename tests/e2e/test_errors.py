@@ -89,6 +89,10 @@ BAD_CHATS = [
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),  # SmolLM2 does not reason
+    ({"reasoning_effort": "lots"}, "reasoning_effort"),
+    ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
 ]
 
 

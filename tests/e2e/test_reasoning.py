@@ -124,6 +124,13 @@ def test_enable_thinking_false(tclient: OpenAI, model: str, tserver: Server) -> 
     off = httpx.post(url, json={**body, **OFF}, headers=tserver.headers).json()
     assert off["count"] == r.usage.prompt_tokens and plain["count"] == on.usage.prompt_tokens
     assert "think" in off["token_strs"] and "think" not in plain["token_strs"]
+    # OpenAI's reasoning_effort: none / minimal as enable_thinking false, the others true
+    minimal = _chat(tclient, model, reasoning_effort="minimal")
+    assert minimal.choices[0].message.content == PLAIN
+    assert minimal.usage.prompt_tokens == r.usage.prompt_tokens
+    high = _chat(tclient, model, reasoning_effort="high")
+    assert high.choices[0].message.reasoning_content == REASONING  # type: ignore[attr-defined]
+    assert high.choices[0].message.content == CONTENT
 
 
 def test_json_schema_applies_after_the_think_block(tclient: OpenAI, model: str) -> None:

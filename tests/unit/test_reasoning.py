@@ -220,8 +220,9 @@ def test_responses_reasoning_fields() -> None:
     assert ResponsesRequest(reasoning={"effort": "minimal"}).thinking() is False
     assert ResponsesRequest(reasoning={"effort": "high"}).thinking() is True
     assert ResponsesRequest().thinking() is None
+    assert ResponsesRequest(reasoning={"effort": "max"}).thinking() is True
     with pytest.raises(SamplingParamsError) as e:
-        ResponsesRequest(reasoning={"effort": "max"}).thinking()
+        ResponsesRequest(reasoning={"effort": "maximum"}).thinking()
     assert e.value.param == "reasoning.effort"
     with pytest.raises(SamplingParamsError) as e:
         ResponsesRequest(reasoning={"summary": "auto"}).check_supported()
@@ -229,6 +230,24 @@ def test_responses_reasoning_fields() -> None:
     request = ResponsesRequest(input="hi")
     chat = request.to_chat(request.input_items(), thinking=False)
     assert chat.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_chat_reasoning_effort() -> None:
+    """Chat's reasoning_effort: the template's enable_thinking (and its own name), unless
+    chat_template_kwargs set them; an unknown effort is a 400 naming it."""
+    hi = [{"role": "user", "content": "hi"}]
+    low = ChatCompletionRequest(messages=hi, reasoning_effort="low")
+    assert low.template_kwargs() == {"enable_thinking": True, "reasoning_effort": "low"}
+    off = ChatCompletionRequest(messages=hi, reasoning_effort="none",
+                                chat_template_kwargs={"x": 1})  # fmt: skip
+    assert off.template_kwargs() == {"enable_thinking": False, "reasoning_effort": "none", "x": 1}
+    mine = ChatCompletionRequest(messages=hi, reasoning_effort="minimal",
+                                 chat_template_kwargs={"enable_thinking": True})  # fmt: skip
+    assert mine.template_kwargs() == {"enable_thinking": True, "reasoning_effort": "minimal"}
+    assert ChatCompletionRequest(messages=hi).template_kwargs() is None
+    with pytest.raises(SamplingParamsError) as e:
+        ChatCompletionRequest(messages=hi, reasoning_effort="lots").check()
+    assert e.value.param == "reasoning_effort"
 
 
 def test_reasoning_input_items_go_to_the_next_assistant_turn() -> None:

@@ -14,6 +14,7 @@ from convoy.api.protocol_base import OpenAIModel, is_none
 from convoy.api.protocol_common import MAX_INT32, SamplingRequest, UsageInfo
 from convoy.api.protocol_structured import ResponseFormat
 from convoy.api.protocol_tools import ChatMessageParam, DeltaToolCall, ToolCall, ToolsRequest
+from convoy.api.reasoning import effort_thinks
 from convoy.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
@@ -28,11 +29,14 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
+    reasoning_effort: str | None = None  # a thinking model's enable_thinking (reasoning.py)
     # OpenAI's, for outputs this server has no model for: a 400 naming them, not a text reply
     # the client would read as the audio or search it asked for
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
@@ -42,13 +46,31 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
             raise SamplingParamsError("audio output is not supported", "audio")
         if self.web_search_options is not None:
             raise SamplingParamsError("web search is not supported", "web_search_options")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise SamplingParamsError(
+                    f"{name} (deprecated by OpenAI) is not supported; pass the functions as"
+                    " tools (and tool_choice)",
+                    name,
+                )
         for message in self.messages:
             message.check()
         if self.chat_template_kwargs:
             check_template_kwargs(self.chat_template_kwargs)
+        if self.reasoning_effort is not None:
+            effort_thinks(self.reasoning_effort, "reasoning_effort")
         self.check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with `reasoning_effort` as enable_thinking (and under its own
+        name, for a template that reads it) unless they set them."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = {"enable_thinking": effort_thinks(self.reasoning_effort, "reasoning_effort"),
+                  "reasoning_effort": self.reasoning_effort}  # fmt: skip
+        return {**kwargs, **(self.chat_template_kwargs or {})}
 
     def constraints(self) -> list[tuple[str, dict[str, Any]]]:
         found = super().constraints()

@@ -20,14 +20,13 @@ from pydantic import Field
 from convoy.api.protocol_base import OpenAIModel, RequestModel
 from convoy.api.protocol_chat import ChatCompletionRequest
 from convoy.api.protocol_common import MAX_INT32
+from convoy.api.reasoning import effort_thinks
 from convoy.sampling_params import MAX_LOGPROBS, SamplingParamsError
 
 Item = dict[str, Any]
 _TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value honoured
 _INCLUDABLE = {LOGPROBS}
-_EFFORT_THINKS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
-                  "xhigh": True}  # fmt: skip
 
 
 def new_item_id(prefix: str) -> str:
@@ -101,12 +100,7 @@ class ResponsesRequest(RequestModel):
         effort = (self.reasoning or {}).get("effort")
         if effort is None:
             return None
-        if not isinstance(effort, str) or effort not in _EFFORT_THINKS:
-            names = ", ".join(_EFFORT_THINKS)
-            raise SamplingParamsError(
-                f"reasoning.effort must be one of {names}", "reasoning.effort"
-            )
-        return _EFFORT_THINKS[effort]
+        return effort_thinks(effort, "reasoning.effort")
 
     def input_items(self) -> list[Item]:
         """`input` as normalised items, each with an id (as GET .../input_items lists them)."""

@@ -26,12 +26,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from convoy.api.tool_format import marker_prefix_len
+from convoy.sampling_params import SamplingParamsError
 
 if TYPE_CHECKING:
     from convoy.engine.tokenizer import Tokenizer
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+# OpenAI's reasoning effort (chat's `reasoning_effort`, Responses' `reasoning.effort`) as a
+# thinking template's enable_thinking: `none` and `minimal` answer without thinking
+EFFORT_THINKS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
+                 "xhigh": True, "max": True}  # fmt: skip
+
+
+def effort_thinks(effort: object, param: str) -> bool:
+    """enable_thinking for an effort; a 400 naming `param` for an unknown one."""
+    if not isinstance(effort, str) or effort not in EFFORT_THINKS:
+        raise SamplingParamsError(f"{param} must be one of {', '.join(EFFORT_THINKS)}", param)
+    return EFFORT_THINKS[effort]
 
 
 class ThinkStart(enum.Enum):

@@ -35,6 +35,7 @@ from convoy.api.protocol_tools import (
 from convoy.api.reasoning import (
     ReasoningStream,
     ThinkStart,
+    is_thinking_template,
     num_reasoning_tokens,
     split_reasoning,
     think_start,
@@ -44,7 +45,7 @@ from convoy.api.structured_reasoning import constrain_after_think
 from convoy.api.tool_format import CallDelta, ToolCallStream, parse_tool_calls, split_reply
 from convoy.engine.request import Priority
 from convoy.outputs import CompletionOutput, FinishReason, RequestOutput
-from convoy.sampling_params import SamplingParams
+from convoy.sampling_params import SamplingParams, SamplingParamsError
 from convoy.structured.params import StructuredOutputsError, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -72,9 +73,8 @@ def render_chat(client: EngineClient, request: ChatCompletionRequest) -> Prompt:
     """
     add_generation_prompt = request.add_generation_prompt is not False
     tools = request.tools_for_prompt() if request.tools else None
-    text = chat_text(
-        client, request.messages, add_generation_prompt, tools, request.chat_template_kwargs
-    )
+    text = chat_text(client, request.messages, add_generation_prompt, tools,
+                     request.template_kwargs())  # fmt: skip
     return Prompt(text, client.encode_prompt(text, "messages", add_special_tokens=False))
 
 
@@ -84,6 +84,10 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
     chunk_type = ChatCompletionChunk
 
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
+        if request.reasoning_effort is not None and not is_thinking_template(
+            self.client.tokenizer.chat_template
+        ):  # as Responses' reasoning.effort (and OpenAI's models that do not reason)
+            raise SamplingParamsError("this model does not reason", "reasoning_effort")
         return [render_chat(self.client, request)]
 
     def think_start(self, prompts: list[Prompt]) -> ThinkStart:
