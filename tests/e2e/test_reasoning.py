@@ -229,6 +229,29 @@ def test_responses_reasoning_item(
     again = tclient.responses.create(model=model, previous_response_id=r.id, input="Bye",
                                      temperature=0, max_output_tokens=40)  # fmt: skip
     assert follow.output_text == again.output_text == CONTENT
+    # include reasoning.encrypted_content: the reasoning item carries its text sealed (whole
+    # and streamed), and a client that keeps no state sends the item back with only that
+    include = ["reasoning.encrypted_content"]
+    sealed = tclient.responses.create(model=model, input="Hi", temperature=0, store=False,
+                                      max_output_tokens=40, include=include)  # type: ignore[list-item]  # fmt: skip
+    blob = sealed.output[0].encrypted_content  # type: ignore[union-attr]
+    assert isinstance(blob, str) and REASONING not in blob
+    assert r.output[0].encrypted_content is None  # type: ignore[union-attr]  # not asked for
+    events = list(tclient.responses.create(model=model, input="Hi", temperature=0, stream=True,
+                                           max_output_tokens=40, include=include))  # type: ignore[list-item]  # fmt: skip
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done[0].type == "reasoning" and done[0].encrypted_content == blob  # type: ignore[union-attr]
+    back = {"type": "reasoning", "id": sealed.output[0].id, "summary": [], "encrypted_content": blob}
+    stateless = tclient.responses.create(
+        model=model, temperature=0, max_output_tokens=40, store=False,
+        input=[{"role": "user", "content": "Hi"}, back, sealed.output[1],  # type: ignore[list-item]
+               {"role": "user", "content": "Bye"}],
+    )  # fmt: skip
+    assert stateless.output_text == CONTENT
+    broken = httpx.post(url, headers=headers, json={
+        "model": model, "input": [{**back, "encrypted_content": "convoy-reasoning:%%%"}]})
+    assert broken.status_code == 400
+    assert broken.json()["error"]["param"] == "input[0].encrypted_content"
 
 
 def test_responses_stream_reasoning_events(tclient: OpenAI, model: str) -> None:

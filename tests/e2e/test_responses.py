@@ -250,7 +250,7 @@ def test_function_tool_round_trip(rclient: OpenAI, rserver: Server) -> None:
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ({"background": True, "store": False}, "store"),
         ({"background": True, "stream": True}, "stream"),
-        ({"include": ["file_search_call.results"]}, "include"),
+        ({"include": ["file_search_call.nope"]}, "include"),
         ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
         ({"include": ["message.output_text.logprobs"], "top_logprobs": -1}, "top_logprobs"),
         ({"top_logprobs": "2"}, "top_logprobs"),

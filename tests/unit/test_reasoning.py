@@ -17,7 +17,7 @@ from convoy.api.chat_template import (
     check_template_kwargs,
 )
 from convoy.api.protocol_chat import ChatCompletionRequest
-from convoy.api.protocol_responses import ResponsesRequest, items_to_messages
+from convoy.api.protocol_responses import ResponsesRequest, items_to_messages, seal_reasoning
 from convoy.api.reasoning import (
     ReasoningStream,
     ThinkStart,
@@ -248,6 +248,22 @@ def test_chat_reasoning_effort() -> None:
     with pytest.raises(SamplingParamsError) as e:
         ChatCompletionRequest(messages=hi, reasoning_effort="lots").check()
     assert e.value.param == "reasoning_effort"
+
+
+def test_a_sealed_reasoning_item_comes_back_as_its_text() -> None:
+    """encrypted_content this server wrote gives back the text (an item without content, as a
+    stateless client sends it); another server's gives none; a malformed one of ours is a 400."""
+    hi, yo = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
+    sealed = {"type": "reasoning", "summary": [], "encrypted_content": seal_reasoning("hm é")}
+    items = ResponsesRequest(input=[hi, sealed, yo]).input_items()
+    assert items[1]["content"] == [{"type": "reasoning_text", "text": "hm é"}]
+    assert items_to_messages(items)[1]["reasoning_content"] == "hm é"
+    foreign = {**sealed, "encrypted_content": "gAAAAABo-opaque"}
+    assert ResponsesRequest(input=[hi, foreign, yo]).input_items()[1]["content"] == []
+    with pytest.raises(SamplingParamsError) as e:
+        ResponsesRequest(input=[hi, {**sealed, "encrypted_content": "convoy-reasoning:%"}]
+                         ).input_items()  # fmt: skip
+    assert e.value.param == "input[1].encrypted_content"
 
 
 def test_reasoning_input_items_go_to_the_next_assistant_turn() -> None:

@@ -12,6 +12,7 @@ assistant turn after it, which a thinking template renders or drops as it does i
 
 from __future__ import annotations
 
+import base64
 import uuid
 from typing import Any, Literal
 
@@ -25,8 +26,18 @@ from convoy.sampling_params import MAX_LOGPROBS, SamplingParamsError
 
 Item = dict[str, Any]
 _TEXT_PARTS = ("input_text", "output_text", "text")
-LOGPROBS = "message.output_text.logprobs"  # the one `include` value honoured
-_INCLUDABLE = {LOGPROBS}
+LOGPROBS = "message.output_text.logprobs"
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+# OpenAI's `include` values: these two are honoured; the others name parts of items this server
+# never makes (built-in tools' calls, input images: refused where asked for), so nothing is added
+_INCLUDABLE = {LOGPROBS, ENCRYPTED_REASONING, "file_search_call.results",
+               "web_search_call.results", "web_search_call.action.sources",
+               "message.input_image.image_url", "computer_call_output.output.image_url",
+               "code_interpreter_call.outputs"}  # fmt: skip
+# A reasoning item's `encrypted_content` here: its text, base64 after this tag. Not encrypted
+# (the item's content already shows the text); it lets a client that keeps no server state
+# (`store: false`) send the reasoning back as OpenAI's clients do.
+_SEALED = "convoy-reasoning:"
 
 
 def new_item_id(prefix: str) -> str:
@@ -94,6 +105,9 @@ class ResponsesRequest(RequestModel):
         """`include` asks for the message text's logprobs (`top_logprobs` alone does not, as in
         OpenAI's API: it sets how many alternatives each token lists)."""
         return LOGPROBS in (self.include or [])
+
+    def wants_encrypted_reasoning(self) -> bool:
+        return ENCRYPTED_REASONING in (self.include or [])
 
     def thinking(self) -> bool | None:
         """`reasoning.effort` as enable_thinking (None when not set)."""
@@ -212,8 +226,26 @@ def _normalise(index: int, item: Item) -> Item:
     raise SamplingParamsError(f"input item type {kind!r} is not supported", f"{param}.type")
 
 
+def seal_reasoning(text: str) -> str:
+    """A reasoning item's `encrypted_content` (include reasoning.encrypted_content)."""
+    return _SEALED + base64.b64encode(text.encode()).decode()
+
+
+def _unsealed(param: str, sealed: object) -> list[str]:
+    """The reasoning text of an `encrypted_content` this server wrote; nothing from one it did
+    not (another server's blob: the item adds no reasoning, as a reply without it)."""
+    if not isinstance(sealed, str) or not sealed.startswith(_SEALED):
+        return []
+    try:
+        return [base64.b64decode(sealed[len(_SEALED) :], validate=True).decode()]
+    except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors
+        raise SamplingParamsError("encrypted_content does not decode",
+                                  f"{param}.encrypted_content") from None  # fmt: skip
+
+
 def _reasoning_item(param: str, item: Item) -> Item:
-    """A reasoning item sent back (a previous output): its text parts kept, nothing else."""
+    """A reasoning item sent back (a previous output): its text parts kept (or, without them,
+    the text its encrypted_content holds), nothing else."""
     content = item.get("content") or []
     if not isinstance(content, list) or not all(
         isinstance(p, dict) and isinstance(p.get("text"), str) for p in content
@@ -222,7 +254,8 @@ def _reasoning_item(param: str, item: Item) -> Item:
                                   f"{param}.content")  # fmt: skip
     if not isinstance(item.get("summary", []), list):
         raise SamplingParamsError("a reasoning item's summary is a list", f"{param}.summary")
-    parts = [{"type": "reasoning_text", "text": p["text"]} for p in content]
+    texts = [p["text"] for p in content] or _unsealed(param, item.get("encrypted_content"))
+    parts = [{"type": "reasoning_text", "text": t} for t in texts]
     return {"id": item.get("id") or new_item_id("rs"), "type": "reasoning", "summary": [],
             "content": parts, "status": "completed"}  # fmt: skip
 

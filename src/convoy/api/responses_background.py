@@ -127,10 +127,12 @@ class BackgroundResponses:
         try:
             await asyncio.shield(write)
             result = await self.chat.run(*prepared)
+            sealed = ResponsesRequest.model_validate_json(request).wants_encrypted_reasoning()
             if isinstance(result, ChatCompletionResponse):
-                completed(response, result)
+                completed(response, result, sealed)
             else:  # logprobs: run as a stream (responses_stream.py)
-                await assemble(EventStream(response, logprobs=True, whole=True), result)
+                stream = EventStream(response, logprobs=True, sealed=sealed, whole=True)
+                await assemble(stream, result)
         except asyncio.CancelledError:
             await asyncio.gather(write, return_exceptions=True)
             if response_id in self._cancelled:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from convoy.api.errors import APIError
 from convoy.api.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from convoy.api.protocol_common import UsageInfo
-from convoy.api.protocol_responses import Item, new_item_id
+from convoy.api.protocol_responses import Item, new_item_id, seal_reasoning
 from convoy.api.reasoning import ThinkStart
 from convoy.api.tool_format import is_complete
 from convoy.sampling_params import SamplingParamsError
@@ -60,12 +60,16 @@ def part(kind: str, text: str, logprobs: list[Item] | None = None) -> Item:
 
 def text_item(
     item_id: str, text: str, status: str, kind: str = "message",
-    logprobs: list[Item] | None = None,
+    logprobs: list[Item] | None = None, sealed: bool = False,
 ) -> Item:  # fmt: skip
-    """A message item, or (kind `reasoning`) a reasoning item: no summary, the text whole."""
+    """A message item, or (kind `reasoning`) a reasoning item: no summary, the text whole (and
+    `sealed`: in encrypted_content too)."""
     if kind == "reasoning":
-        return {"id": item_id, "type": "reasoning", "summary": [],
+        item = {"id": item_id, "type": "reasoning", "summary": [],
                 "content": [part(kind, text)], "status": status}  # fmt: skip
+        if sealed:
+            item["encrypted_content"] = seal_reasoning(text)
+        return item
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
             "content": [part(kind, text, logprobs)]}  # fmt: skip
 
@@ -117,14 +121,15 @@ def responses_params() -> Iterator[None]:
         raise
 
 
-def completed(response: Item, result: ChatCompletionResponse) -> Item:
-    """A finished chat completion as the response's output items, status and usage."""
+def completed(response: Item, result: ChatCompletionResponse, sealed: bool = False) -> Item:
+    """A finished chat completion as the response's output items, status and usage; `sealed`:
+    reasoning items carry encrypted_content (include reasoning.encrypted_content)."""
     choice = result.choices[0]
     message = choice.message
     output: list[Item] = []
     if message.reasoning_content is not None:
         output.append(text_item(new_item_id("rs"), message.reasoning_content,
-                                "completed", "reasoning"))  # fmt: skip
+                                "completed", "reasoning", sealed=sealed))  # fmt: skip
     if message.content or not message.tool_calls:
         output.append(text_item(new_item_id("msg"), message.content or "", "completed"))
     for call in message.tool_calls or []:

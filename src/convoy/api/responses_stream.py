@@ -28,16 +28,17 @@ class EventStream:
     """Chat chunks -> Responses' events, each with its type and a sequence number from 0;
     `response` (the dict sent in response.created) is updated in place to the final one.
 
-    `logprobs`: the message's logprobs are asked for. `save`: called with the finished
+    `logprobs`: the message's logprobs are asked for; `sealed`: a reasoning item's
+    encrypted_content (include reasoning.encrypted_content). `save`: called with the finished
     response before the last event (storing it). `whole`: the events are drained for a whole
     response, so an error mid-stream is raised (the client has no stream to read it in) rather
     than sent in-band."""
 
     def __init__(
-        self, response: Item, *, logprobs: bool = False,
+        self, response: Item, *, logprobs: bool = False, sealed: bool = False,
         save: Callable[[Item], Awaitable[None]] | None = None, whole: bool = False,
     ) -> None:  # fmt: skip
-        self.response, self.save, self.whole = response, save, whole
+        self.response, self.save, self.whole, self.sealed = response, save, whole, sealed
         self.seq = 0
         self.open: dict[str, tuple[str, str]] = {}  # kind -> (item id, text) of an open item
         self.calls: dict[int, Item] = {}  # chat's call index -> its function_call item
@@ -166,7 +167,7 @@ class EventStream:
         item_id, text = self.open.pop(kind)
         i = self.index(item_id)
         logprobs = self.logprobs if kind == "message" else None
-        done = text_item(item_id, text, "completed", kind, logprobs)
+        done = text_item(item_id, text, "completed", kind, logprobs, sealed=self.sealed)
         self.output[i] = done
         part = done["content"][0]
         extra: Item = {"logprobs": list(logprobs or [])} if kind == "message" else {}

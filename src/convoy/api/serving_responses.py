@@ -79,16 +79,17 @@ class ResponsesServing:
             job, engine_requests = await self.chat.prepare(chat, record, size, priority)
         check_logprobs(chat, self.chat.think_start(job.prompts))
         result = await self.chat.run(job, engine_requests)
+        sealed = request.wants_encrypted_reasoning()
         if isinstance(result, ChatCompletionResponse):
-            completed(response, result)
+            completed(response, result, sealed)
             await self._save(request, response, items)
             return ResponseBody(**response)
 
         async def save(finished: Item) -> None:
             await self._save(request, finished, items)
 
-        events = EventStream(response, logprobs=request.wants_logprobs(), save=save,
-                             whole=not request.stream)  # fmt: skip
+        events = EventStream(response, logprobs=request.wants_logprobs(), sealed=sealed,
+                             save=save, whole=not request.stream)  # fmt: skip
         if not request.stream:  # asked for logprobs: the stream's last response
             return ResponseBody(**await assemble(events, result))
         # closing the events closes the chat chunks (and so aborts the engine requests) even
