@@ -84,3 +84,28 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client: OpenAI) 
     usage = [c.usage for c in stream if c.usage is not None][-1]
     assert usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_continue_final_message(client: OpenAI, http: httpx.Client) -> None:
+    """vLLM's continue_final_message: the prompt ends inside the last (assistant) message, its
+    end-of-turn cut, and the model goes on with it; it needs add_generation_prompt false."""
+    started = [{"role": "user", "content": "Name a colour."},
+               {"role": "assistant", "content": "The colour I pick is"}]  # fmt: skip
+    body = {"model": MODEL, "messages": started, "add_generation_prompt": False}
+    closed = http.post("/tokenize", json={**body, "return_token_strs": True}).json()
+    open_ = http.post("/tokenize", json={**body, "continue_final_message": True,
+                                          "return_token_strs": True}).json()  # fmt: skip
+    assert open_["token_strs"][-1] == "Ġis" and closed["token_strs"][-2:] == ["<|im_end|>", "Ċ"]
+    assert open_["tokens"] == closed["tokens"][: open_["count"]]
+    go_on = chat(client, started, extra_body={"add_generation_prompt": False,  # type: ignore[arg-type]
+                                              "continue_final_message": True})  # fmt: skip
+    assert go_on.usage.prompt_tokens == open_["count"]  # type: ignore[attr-defined]
+    expected = http.post("/v1/completions", json={"model": MODEL, "prompt": open_["tokens"],
+                                                   "max_tokens": MAX_TOKENS,
+                                                   "temperature": 0}).json()  # fmt: skip
+    assert go_on.choices[0].message.content == expected["choices"][0]["text"]  # type: ignore[attr-defined]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        refused = http.post(path, json={"model": MODEL, "messages": started,
+                                        "continue_final_message": True})  # fmt: skip
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "continue_final_message"

@@ -82,24 +82,36 @@ def has_tool_support(template: str | None) -> bool:
     return template is not None and "tools" in template and OPEN in template
 
 
+def check_continuation(continue_final: bool | None, add_generation_prompt: bool | None) -> None:
+    """vLLM's rule: a prompt cannot both end inside the last message and open a new turn."""
+    if continue_final and add_generation_prompt is not False:
+        raise SamplingParamsError(
+            "continue_final_message needs add_generation_prompt false", "continue_final_message"
+        )
+
+
 def apply_template(
     tokenizer: Tokenizer,
     messages: list[ChatMessageParam],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """The prompt text of `messages` (TemplateError -> 400); `tools` as tools_for_prompt()
-    gives them; `template_kwargs` checked by check_template_kwargs."""
+    gives them; `template_kwargs` checked by check_template_kwargs; `continue_final_message`:
+    the text ends inside the last message."""
     if has_tool_support(tokenizer.chat_template):
         native = [_native(m) for m in messages]
         return tokenizer.apply_chat_template(
-            native, add_generation_prompt, tools=tools or None, template_kwargs=template_kwargs
-        )
+            native, add_generation_prompt, tools=tools or None, template_kwargs=template_kwargs,
+            continue_final_message=continue_final_message,
+        )  # fmt: skip
     generic = _generic(messages, tools)
     return tokenizer.apply_chat_template(
-        generic, add_generation_prompt, template_kwargs=template_kwargs
-    )
+        generic, add_generation_prompt, template_kwargs=template_kwargs,
+        continue_final_message=continue_final_message,
+    )  # fmt: skip
 
 
 def _role(message: ChatMessageParam) -> str:

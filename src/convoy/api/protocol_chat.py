@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from convoy.api.chat_template import check_template_kwargs
+from convoy.api.chat_template import check_continuation, check_template_kwargs
 from convoy.api.protocol_base import OpenAIModel, is_none
 from convoy.api.protocol_common import MAX_INT32, SamplingRequest, UsageInfo
 from convoy.api.protocol_structured import ResponseFormat
@@ -30,6 +30,8 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
     reasoning_effort: str | None = None  # a thinking model's enable_thinking (reasoning.py)
+    # vLLM's: the prompt ends inside the last message (an assistant turn the model goes on with)
+    continue_final_message: bool | None = False
     # OpenAI's, for outputs this server has no model for: a 400 naming them, not a text reply
     # the client would read as the audio or search it asked for
     modalities: list[str] | None = None
@@ -59,6 +61,7 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
             check_template_kwargs(self.chat_template_kwargs)
         if self.reasoning_effort is not None:
             effort_thinks(self.reasoning_effort, "reasoning_effort")
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
         self.check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")

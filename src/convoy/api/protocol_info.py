@@ -31,6 +31,7 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessageParam] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # as chat's (messages only)
+    continue_final_message: bool = False  # as chat's (messages only)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     return_token_strs: bool = False
 

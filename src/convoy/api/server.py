@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from convoy.api.chat_template import check_template_kwargs
+from convoy.api.chat_template import check_continuation, check_template_kwargs
 from convoy.api.engine_client import EngineClient, ServingLimits
 from convoy.api.errors import APIError, install_error_handlers
 from convoy.api.metrics import ServerMetrics
@@ -341,9 +341,9 @@ def _tokenize(client: EngineClient, body: TokenizeRequest) -> TokenizeResponse:
     if body.messages is not None:
         if body.chat_template_kwargs:
             check_template_kwargs(body.chat_template_kwargs)
-        text = chat_text(
-            client, body.messages, body.add_generation_prompt, None, body.chat_template_kwargs
-        )
+        check_continuation(body.continue_final_message, body.add_generation_prompt)
+        text = chat_text(client, body.messages, body.add_generation_prompt, None,
+                         body.chat_template_kwargs, body.continue_final_message)  # fmt: skip
         tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         add_special = body.add_special_tokens is not False

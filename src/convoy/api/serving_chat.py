@@ -60,9 +60,11 @@ def chat_text(
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """The model's chat template applied to the messages and tools (TemplateError -> 400)."""
-    return apply_template(client.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+    return apply_template(client.tokenizer, messages, add_generation_prompt, tools,
+                          template_kwargs, continue_final_message)  # fmt: skip
 
 
 def render_chat(client: EngineClient, request: ChatCompletionRequest) -> Prompt:
@@ -74,7 +76,7 @@ def render_chat(client: EngineClient, request: ChatCompletionRequest) -> Prompt:
     add_generation_prompt = request.add_generation_prompt is not False
     tools = request.tools_for_prompt() if request.tools else None
     text = chat_text(client, request.messages, add_generation_prompt, tools,
-                     request.template_kwargs())  # fmt: skip
+                     request.template_kwargs(), bool(request.continue_final_message))  # fmt: skip
     return Prompt(text, client.encode_prompt(text, "messages", add_special_tokens=False))
 
 

@@ -103,10 +103,13 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """`tools`: function definitions, for a template that renders them itself;
         `template_kwargs`: more variables for the template (e.g. enable_thinking; names of the
-        call's own arguments and special tokens are the caller's to refuse)."""
+        call's own arguments and special tokens are the caller's to refuse);
+        `continue_final_message`: the text ends inside the last message (its end-of-turn cut),
+        for the model to go on writing it (transformers' option, vLLM's field)."""
         if self.chat_template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
@@ -115,6 +118,7 @@ class Tokenizer:
                 tools=tools,
                 chat_template=self.chat_template,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
                 **(template_kwargs or {}),
             )
