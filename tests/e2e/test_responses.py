@@ -282,6 +282,29 @@ def test_unsupported_fields(rserver: Server, extra: dict[str, object], param: st
     assert r.json()["error"]["param"] == param
 
 
+def test_input_tokens_count_what_create_reports(rclient: OpenAI, rserver: Server) -> None:
+    """POST /v1/responses/input_tokens (the SDK's responses.input_tokens.count): the
+    usage.input_tokens a create with the same fields reports, a chain and tools included; its
+    400s and 404s name the field."""
+    first_body = {"model": MODEL, "input": "Hi", "instructions": "Be brief.", "tools": [WEATHER]}
+    count = rclient.responses.input_tokens.count(**first_body)  # type: ignore[arg-type]
+    assert count.object == "response.input_tokens"
+    first = rclient.responses.create(**first_body, max_output_tokens=4, temperature=0)  # type: ignore[call-overload]
+    assert first.usage is not None and count.input_tokens == first.usage.input_tokens
+    chained = {"model": MODEL, "previous_response_id": first.id, "input": "And you?"}
+    count = rclient.responses.input_tokens.count(**chained)  # type: ignore[arg-type]
+    follow = rclient.responses.create(**chained, max_output_tokens=4, temperature=0)  # type: ignore[call-overload]
+    assert follow.usage is not None and count.input_tokens == follow.usage.input_tokens
+    url = f"{rserver.base_url}/v1/responses/input_tokens"
+    for body, status, param in (({"input": "hi", "tools": [{"type": "web_search"}]}, 400,
+                                 "tools[0].type"),
+                                ({"input": "hi", "previous_response_id": "resp_nope"}, 404,
+                                 "previous_response_id"),
+                                ({"input": 5}, 400, "input")):  # fmt: skip
+        r = httpx.post(url, json=body, headers=rserver.headers)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
 def test_a_deleted_previous_response_is_a_404(rclient: OpenAI) -> None:
     first = rclient.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     assert rclient.responses.delete(first.id) is None

@@ -330,6 +330,13 @@ def _chat_format(fmt: Item) -> Item:
     raise SamplingParamsError(f"text.format type {kind!r} is not supported", "text.format")
 
 
+class InputTokenCount(OpenAIModel):
+    """POST /v1/responses/input_tokens's answer."""
+
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
 class ResponseBody(OpenAIModel):
     """A response object (or event) built as a dict, sent as JSON as is."""
 

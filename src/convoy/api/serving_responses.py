@@ -20,7 +20,13 @@ from convoy.api.protocol_chat import (
     ChatCompletionRequest,
     ChatCompletionResponse,
 )
-from convoy.api.protocol_responses import Item, ResponseBody, ResponsesRequest, new_item_id
+from convoy.api.protocol_responses import (
+    InputTokenCount,
+    Item,
+    ResponseBody,
+    ResponsesRequest,
+    new_item_id,
+)
 from convoy.api.reasoning import is_thinking_template
 from convoy.api.responses_background import BackgroundResponses
 from convoy.api.responses_items import (
@@ -95,6 +101,23 @@ class ResponsesServing:
         # closing the events closes the chat chunks (and so aborts the engine requests) even
         # when the client left before the first event
         return ClosingGenerator(events.run(result), result.aclose)
+
+    async def count_input_tokens(self, request: ResponsesRequest) -> InputTokenCount:
+        """POST /v1/responses/input_tokens: the prompt tokens `request` would run with (its
+        conversation after previous_response_id, instructions, tools, truncation), the
+        `usage.input_tokens` its response would report; nothing runs or is stored."""
+        request.check_supported()
+        items = request.input_items()
+        if request.previous_response_id:
+            previous = await self.load(request.previous_response_id, "previous_response_id")
+            items = previous.conversation + items
+
+        def count() -> int:
+            chat = self.to_chat(request, items)
+            with responses_params():
+                return len(render_chat(self.chat.client, chat).token_ids)
+
+        return InputTokenCount(input_tokens=await asyncio.to_thread(count))
 
     def to_chat(self, request: ResponsesRequest, items: list[Item]) -> ChatCompletionRequest:
         """The chat request that runs `request` over the conversation `items` (400s name the

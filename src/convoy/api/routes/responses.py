@@ -1,5 +1,5 @@
-"""/v1/responses routes: create (JSON, or typed SSE events), retrieve, cancel (a background
-response), delete, input_items.
+"""/v1/responses routes: create (JSON, or typed SSE events), count input tokens, retrieve,
+cancel (a background response), delete, input_items.
 
 The store's calls run in worker threads (asyncio.to_thread), as the Batch API's do.
 """
@@ -16,7 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from convoy.api.errors import APIError
-from convoy.api.protocol_responses import ResponseBody, ResponsesRequest
+from convoy.api.protocol_responses import InputTokenCount, ResponseBody, ResponsesRequest
 from convoy.api.routes.common import STREAMS, docs, parse_body, record, until_disconnect
 from convoy.api.serving_responses import ResponsesServing, not_found
 
@@ -60,6 +60,11 @@ def add_response_routes(app: FastAPI) -> None:
             assert not isinstance(events, ResponseBody)
             return _EventResponse(events)
         return await until_disconnect(request, serving().create(body, record(request), size))
+
+    @app.post("/v1/responses/input_tokens", **docs(InputTokenCount, ResponsesRequest))
+    async def count_input_tokens(request: Request) -> InputTokenCount:
+        body, _ = await parse_body(request, ResponsesRequest)
+        return await serving().count_input_tokens(body)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
