@@ -92,3 +92,41 @@ def test_truncation_auto_drops_the_oldest_items(fuzz_server: Server) -> None:
             assert answer.status_code == 200, answer.text
             ids.append(answer.json()["id"])
     fuzz_server.wait_for_metric("convoy_kv_blocks_used", 0)
+
+
+def test_truncate_prompt_tokens(fuzz_server: Server) -> None:
+    """vLLM's truncate_prompt_tokens (48-token context here): a prompt keeps its last k tokens,
+    the same as sending those ids (completions, with echo showing what ran; chat; embeddings);
+    -1 keeps what the context holds, also of a 2 MB text (cut before it is tokenized, the same
+    ids as the whole text's last ones); 0 is a 400 naming it."""
+    import httpx
+
+    text = " ".join(f"w{i}" for i in range(300))
+    with httpx.Client(base_url=fuzz_server.base_url, headers=fuzz_server.headers,
+                      timeout=60) as http:  # fmt: skip
+        ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+        assert len(ids) > 48
+        body = {"max_tokens": 3, "temperature": 0}
+        cut = http.post("/v1/completions", json={**body, "prompt": text, "echo": True,
+                                                 "truncate_prompt_tokens": 10}).json()  # fmt: skip
+        assert cut["usage"]["prompt_tokens"] == 10
+        same = http.post("/v1/completions", json={**body, "prompt": ids[-10:], "echo": True}).json()
+        assert cut["choices"][0]["text"] == same["choices"][0]["text"]
+        assert http.post("/v1/completions", json={**body, "prompt": text}).status_code == 400
+        as_ids = http.post("/v1/completions", json={**body, "prompt": ids,
+                                                    "truncate_prompt_tokens": 10}).json()  # fmt: skip
+        plain = http.post("/v1/completions", json={**body, "prompt": ids[-10:]}).json()
+        assert as_ids["choices"][0]["text"] == plain["choices"][0]["text"]
+        chat = http.post("/v1/chat/completions", json={
+            **body, "messages": [{"role": "user", "content": text}], "truncate_prompt_tokens": 20})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 20
+        huge = "hello world " * 170_000  # 2 MB: certainly past the context
+        vec = http.post("/v1/embeddings", json={"input": huge, "truncate_prompt_tokens": -1}).json()
+        assert vec["usage"]["prompt_tokens"] == 48
+        tail = http.post("/tokenize", json={"prompt": "hello world " * 200}).json()["tokens"][-48:]
+        exact = http.post("/v1/embeddings", json={"input": [tail]}).json()
+        assert vec["data"][0]["embedding"] == exact["data"][0]["embedding"]
+        zero = http.post("/v1/embeddings", json={"input": "hi", "truncate_prompt_tokens": 0})
+        assert zero.status_code == 400
+        assert zero.json()["error"]["param"] == "truncate_prompt_tokens"
+    fuzz_server.wait_for_metric("convoy_kv_blocks_used", 0)

@@ -201,6 +201,26 @@ class EngineClient:
             )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_truncated(
+        self, text: str, keep: int, add_special_tokens: bool = True
+    ) -> tuple[list[int], bool]:
+        """vLLM's truncate_prompt_tokens: the last `keep` token ids of the text (-1: as many as
+        the context holds) and whether any were cut. A text certainly longer than the context
+        is cut first (Tokenizer.tail), so a 32 MiB one is not tokenized whole."""
+        if self.tokenizer.min_tokens(text) >= self.max_model_len:
+            text = self.tokenizer.tail(text, self.max_model_len)
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return self.truncated(ids, keep), True
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        kept = self.truncated(ids, keep)
+        return kept, len(kept) < len(ids)
+
+    def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The last `keep` ids (-1: max_model_len; None: all)."""
+        if keep is None:
+            return token_ids
+        return token_ids[-(self.max_model_len if keep == -1 else keep) :]
+
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """Token ids from a client (e.g. /detokenize) must lie in the model's vocabulary."""
         self.engine.frontend.inputs.check_token_ids(token_ids, param)

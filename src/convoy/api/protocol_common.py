@@ -149,6 +149,15 @@ class UsageInfo(OpenAIModel):
         )
 
 
+# vLLM's truncate_prompt_tokens: keep a prompt's last k tokens (-1: as many as the context holds)
+TruncatePromptTokens = Annotated[int, Field(ge=-1, le=MAX_INT32)]
+
+
+def check_truncation(value: int | None, param: str = "truncate_prompt_tokens") -> None:
+    if value == 0:
+        raise SamplingParamsError(f"{param} must be -1 or at least 1", param)
+
+
 class SamplingRequest(RequestModel):
     """Fields completions and chat share: OpenAI's, then vLLM's extensions."""
 
@@ -172,6 +181,7 @@ class SamplingRequest(RequestModel):
     ignore_eos: bool | None = False
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = False
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
     skip_special_tokens: bool | None = True
     # only requests with the same salt share prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
@@ -195,6 +205,7 @@ class SamplingRequest(RequestModel):
             raise SamplingParamsError(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
+        check_truncation(self.truncate_prompt_tokens)
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         return {

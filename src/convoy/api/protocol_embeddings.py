@@ -9,7 +9,12 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from convoy.api.protocol_base import OpenAIModel, RequestModel
-from convoy.api.protocol_common import MAX_INT32, PromptInput
+from convoy.api.protocol_common import (
+    MAX_INT32,
+    PromptInput,
+    TruncatePromptTokens,
+    check_truncation,
+)
 from convoy.sampling_params import Pooling, SamplingParams
 
 MAX_EMBEDDING_INPUTS = 2048
@@ -22,13 +27,15 @@ class EmbeddingRequest(RequestModel):
     # keep the first `dimensions` values and normalise again (as OpenAI's v3 models shorten)
     dimensions: int | None = Field(default=None, ge=1, le=MAX_INT32)
     user: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's: keep the last k tokens
 
     stream: ClassVar[bool] = (
         False  # what ServingBase asks of every request: embeddings are never streamed
     )
 
     def check(self) -> None:
-        """Nothing across fields: `dimensions` is checked against the model (EmbeddingServing)."""
+        """`dimensions` is checked against the model (EmbeddingServing)."""
+        check_truncation(self.truncate_prompt_tokens)
 
     def to_sampling_params(self, pooling: Pooling = Pooling.LAST) -> SamplingParams:
         """The prompt computed once, nothing generated, its hidden states pooled."""

@@ -77,6 +77,9 @@ def render_chat(client: EngineClient, request: ChatCompletionRequest) -> Prompt:
     tools = request.tools_for_prompt() if request.tools else None
     text = chat_text(client, request.messages, add_generation_prompt, tools,
                      request.template_kwargs(), bool(request.continue_final_message))  # fmt: skip
+    if request.truncate_prompt_tokens is not None:  # the text's end, what think_start reads, stays
+        ids, _ = client.encode_truncated(text, request.truncate_prompt_tokens, False)
+        return Prompt(text, ids)
     return Prompt(text, client.encode_prompt(text, "messages", add_special_tokens=False))
 
 

@@ -54,7 +54,8 @@ class CompletionServing(
     def prompts(self, request: CompletionRequest) -> list[Prompt]:
         """Normalise the four prompt forms to token ids (text is tokenized with special tokens)."""
         limit = self.client.limits.max_prompts_per_request
-        return encode_prompts(self.client, request.prompt, "prompt", limit)
+        return encode_prompts(self.client, request.prompt, "prompt", limit,
+                              request.truncate_prompt_tokens)  # fmt: skip
 
     def _echo_text(self, prompt: Prompt) -> str:
         """The prompt as echoed: as sent, or decoded once for a token-id prompt."""
@@ -170,10 +171,11 @@ def _joined(first: CompletionLogProbs, second: CompletionLogProbs) -> Completion
 
 
 def encode_prompts(
-    client: EngineClient, prompt: PromptInput, param: str, limit: int
+    client: EngineClient, prompt: PromptInput, param: str, limit: int, keep: int | None = None
 ) -> list[Prompt]:
     """The four prompt forms (a string, strings, token ids, lists of token ids) as Prompts, text
-    tokenized with special tokens; 400 naming `param` for none or more than `limit`."""
+    tokenized with special tokens; 400 naming `param` for none or more than `limit`. `keep`:
+    truncate_prompt_tokens (a truncated text's Prompt has no text: echo decodes what ran)."""
     items: list[str | list[int]]
     if isinstance(prompt, str):
         items = [prompt]
@@ -185,8 +187,17 @@ def encode_prompts(
         raise APIError(400, f"{param} must not be an empty list", param=param)
     if len(items) > limit:
         raise APIError(400, f"{len(items)} prompts is more than the limit of {limit}", param=param)
-    encode = client.encode_prompt
-    return [
-        Prompt(item, encode(item, param)) if isinstance(item, str) else Prompt(None, item)
-        for item in items
-    ]
+    if keep is None:
+        encode = client.encode_prompt
+        return [
+            Prompt(item, encode(item, param)) if isinstance(item, str) else Prompt(None, item)
+            for item in items
+        ]
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            ids, cut = client.encode_truncated(item, keep)
+            prompts.append(Prompt(None if cut else item, ids))
+        else:
+            prompts.append(Prompt(None, client.truncated(item, keep)))
+    return prompts

@@ -51,7 +51,8 @@ class EmbeddingServing(ServingBase[EmbeddingRequest, EmbeddingResponse, Embeddin
                 f"dimensions must be at most {self.dimensions}, this model's embedding size",
                 param="dimensions",
             )
-        return encode_prompts(self.client, request.input, "input", MAX_EMBEDDING_INPUTS)
+        return encode_prompts(self.client, request.input, "input", MAX_EMBEDDING_INPUTS,
+                              request.truncate_prompt_tokens)  # fmt: skip
 
     async def collect(self, job: _Job, outputs: Outputs) -> EmbeddingResponse:
         vectors: dict[int, np.ndarray] = {}

@@ -78,6 +78,15 @@ class Tokenizer:
             return 0
         return len(text) // self._max_chars_per_token
 
+    def tail(self, text: str, num_tokens: int) -> str:
+        """An end of `text` long enough for its last `num_tokens` tokens and another 1,024
+        (the merges at the cut change only tokens near it): what left truncation needs
+        tokenized of a text too long to tokenize whole (the text itself when no bound is
+        known)."""
+        if not self._max_chars_per_token:
+            return text
+        return text[-(num_tokens + 1024) * self._max_chars_per_token :]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`.
 
