@@ -43,6 +43,27 @@ def test_include_usage_adds_one_final_chunk_with_summed_usage(client: OpenAI) ->
     assert [streamed[i] for i in range(len(prompts))] == texts(full)
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(client: OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    the prompt tokens and the completion tokens generated so far (chat and completions); the
+    last is the usual usage chunk."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = PROMPTS[3:5]
+    full = complete(client, prompts)
+    chat_full = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,  # type: ignore[arg-type]
+                                               max_tokens=MAX_TOKENS)  # fmt: skip
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,  # type: ignore[arg-type]
+                                          max_tokens=MAX_TOKENS, stream=True,
+                                          stream_options=opts)  # type: ignore[typeddict-unknown-key]  # fmt: skip
+    for chunks, whole in ((list(complete(client, prompts, stream=True, stream_options=opts)),
+                           full), (list(chat), chat_full)):  # fmt: skip
+        assert all(chunk.usage is not None for chunk in chunks)
+        done = [chunk.usage.completion_tokens for chunk in chunks]  # type: ignore[union-attr]
+        assert done == sorted(done) and 0 < done[-2] == done[-1]
+        assert {chunk.usage.prompt_tokens for chunk in chunks} == {whole.usage.prompt_tokens}  # type: ignore[union-attr]
+        assert chunks[-1].choices == [] and counts(chunks[-1].usage) == counts(whole.usage)
+
+
 def test_echo_logprobs_stream_like_non_stream(client: OpenAI) -> None:
     prompt = PROMPTS[6]
     full = complete(client, prompt, echo=True, logprobs=2)

@@ -95,6 +95,8 @@ class ErrorResponse(OpenAIModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk carries the usage so far too
+    continuous_usage_stats: bool | None = False
 
 
 class CompletionTokensDetails(OpenAIModel):
@@ -198,6 +200,11 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        options = self.stream_options
+        return self.include_usage and options is not None and bool(options.continuous_usage_stats)
 
     def check(self) -> None:
         """Cross-field rules; raises SamplingParamsError naming the field."""

@@ -204,6 +204,10 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
     def chunk(
         self, job: Job[RequestT], choices: list[Any], usage: UsageInfo | None = None
     ) -> ChunkT:
+        """A stream chunk; with continuous_usage_stats (vLLM's) every one carries the usage
+        so far (the record's completion tokens, which the stream keeps current)."""
+        if usage is None and getattr(job.request, "continuous_usage", False):
+            usage = self.usage(job, job.record.num_completion_tokens or 0)
         return self.chunk_type(
             id=job.api_id,
             created=job.created,

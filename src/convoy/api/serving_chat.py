@@ -192,6 +192,7 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
             async for _, out in outputs:
                 for c in out.outputs:
                     num_completion_tokens += len(c.token_ids)
+                    job.record.num_completion_tokens = num_completion_tokens
                     if is_split:
                         token_ids[c.index] += c.token_ids
                     if is_empty_delta(c):

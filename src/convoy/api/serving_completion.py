@@ -133,6 +133,7 @@ class CompletionServing(
                     prompt_logprobs.setdefault(i, out)
                 for c in out.outputs:
                     num_completion_tokens += len(c.token_ids)
+                    job.record.num_completion_tokens = num_completion_tokens
                     state = states.setdefault(i * job.n + c.index, _ChoiceState())
                     choice = self._delta(job, i, prompt_logprobs.get(i, out), c, state)
                     if choice is not None:
