@@ -109,3 +109,22 @@ def test_continue_final_message(client: OpenAI, http: httpx.Client) -> None:
                                         "continue_final_message": True})  # fmt: skip
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "continue_final_message"
+
+
+def test_an_assistant_refusal_part_is_its_text(http: httpx.Client) -> None:
+    """OpenAI's assistant content part `{"type": "refusal", "refusal": ...}` renders as its
+    text; on another role it stays a 400."""
+    said = "I can't help with that."
+    as_text = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": said},
+               {"role": "user", "content": "ok"}]  # fmt: skip
+    as_part = [*as_text[:1], {"role": "assistant",
+                              "content": [{"type": "refusal", "refusal": said}]}, as_text[2]]
+    counts = [http.post("/tokenize", json={"model": MODEL, "messages": m}).json()["count"]
+              for m in (as_text, as_part)]  # fmt: skip
+    assert counts[0] == counts[1]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": as_part,
+                                                "max_tokens": 2})  # fmt: skip
+    assert r.status_code == 200
+    bad = [{"role": "user", "content": [{"type": "refusal", "refusal": said}]}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": bad, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

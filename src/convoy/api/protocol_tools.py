@@ -37,6 +37,7 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additional
 class ContentPart(RequestModel):
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant turn's refusal part (OpenAI's), its text
 
 
 class ToolCallFunctionParam(RequestModel):
@@ -66,6 +67,9 @@ class ChatMessageParam(RequestModel):
             return self.content or ""
         texts = []
         for part in self.content:
+            if part.type == "refusal" and self.role == "assistant" and part.refusal is not None:
+                texts.append(part.refusal)
+                continue
             if part.type != "text" or part.text is None:
                 raise SamplingParamsError(
                     f"content part type {part.type!r} is not supported; only text parts are",
