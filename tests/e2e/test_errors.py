@@ -22,6 +22,8 @@ _error = error_object
 
 
 BAD_COMPLETIONS = [
+    ({"use_beam_search": True, "n": 2}, "use_beam_search"),
+    ({"bad_words": ["the"]}, "bad_words"),
     ({"temperature": 3}, "temperature"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -93,6 +95,10 @@ BAD_CHATS = [
     ({"reasoning_effort": "lots"}, "reasoning_effort"),
     ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"bad_words": ["Paris"]}, "bad_words"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ({"logits_processors": ["x"]}, "logits_processors"),
 ]
 
 

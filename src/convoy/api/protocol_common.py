@@ -184,6 +184,12 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = False
     truncate_prompt_tokens: TruncatePromptTokens | None = None
+    # vLLM's, for sampling this server does not do: a 400 naming them when set, not an output
+    # made without them
+    use_beam_search: bool | None = False
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logits_processors: list[Any] | None = None
     skip_special_tokens: bool | None = True
     # only requests with the same salt share prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
@@ -213,6 +219,16 @@ class SamplingRequest(RequestModel):
                 "stream_options is only allowed when stream is true", "stream_options"
             )
         check_truncation(self.truncate_prompt_tokens)
+        unsupported = {
+            "use_beam_search": "beam search is not supported",
+            "bad_words": "bad_words is not supported (logit_bias can ban single tokens)",
+            "allowed_token_ids": "allowed_token_ids is not supported (structured outputs can"
+            " restrict the text)",
+            "logits_processors": "logits_processors are not supported",
+        }
+        for name, message in unsupported.items():
+            if getattr(self, name):
+                raise SamplingParamsError(message, name)
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         return {
