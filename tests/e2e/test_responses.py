@@ -305,6 +305,36 @@ def test_input_tokens_count_what_create_reports(rclient: OpenAI, rserver: Server
         assert r.status_code == status and r.json()["error"]["param"] == param, r.text
 
 
+def test_item_references(rclient: OpenAI, rserver: Server) -> None:
+    """An item_reference input item is the stored item of that id (an input or an output of a
+    stored response): the same prompt as the item sent whole; an unknown id (or one of a
+    deleted response) is a 404 naming it."""
+    first = rclient.responses.create(model=MODEL, input="Hi", max_output_tokens=4, temperature=0)
+    asked = rclient.responses.input_items.list(first.id).data[0]
+    said = first.output[0]
+    refs = [{"type": "item_reference", "id": asked.id}, {"type": "item_reference", "id": said.id},
+            {"role": "user", "content": "Bye"}]  # fmt: skip
+    whole = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": first.output_text},
+             {"role": "user", "content": "Bye"}]  # fmt: skip
+    body = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    by_ref = rclient.responses.create(**body, input=refs)  # type: ignore[call-overload]
+    inline = rclient.responses.create(**body, input=whole)  # type: ignore[call-overload]
+    assert by_ref.usage is not None and inline.usage is not None
+    assert by_ref.usage.input_tokens == inline.usage.input_tokens
+    assert by_ref.output_text == inline.output_text
+    stored = rclient.responses.input_items.list(by_ref.id, order="asc").data
+    assert [i.id for i in stored[:2]] == [asked.id, said.id]  # kept as the items themselves
+    url = f"{rserver.base_url}/v1/responses"
+    for item, status, param in (({"type": "item_reference", "id": "msg_nope"}, 404, "input[0].id"),
+                                ({"type": "item_reference"}, 400, "input[0].id")):  # fmt: skip
+        r = httpx.post(url, headers=rserver.headers, json={**body, "input": [item]})
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    assert rclient.responses.delete(first.id) is None
+    gone = httpx.post(url, headers=rserver.headers, json={**body, "input": refs[1:]})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "input[0].id"
+
+
 def test_a_deleted_previous_response_is_a_404(rclient: OpenAI) -> None:
     first = rclient.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     assert rclient.responses.delete(first.id) is None

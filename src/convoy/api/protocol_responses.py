@@ -223,6 +223,10 @@ def _normalise(index: int, item: Item) -> Item:
                 "status": "completed"}  # fmt: skip
     if kind == "reasoning":
         return _reasoning_item(param, item)
+    if kind == "item_reference":  # a stored item by its id: the serving puts it in its place
+        if not isinstance(item_id, str):
+            raise SamplingParamsError("an item_reference needs the item's id", f"{param}.id")
+        return {"type": "item_reference", "id": item_id}
     raise SamplingParamsError(f"input item type {kind!r} is not supported", f"{param}.type")
 
 

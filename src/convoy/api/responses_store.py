@@ -26,6 +26,11 @@ CREATE TABLE IF NOT EXISTS responses (
     status TEXT,
     request TEXT
 );
+CREATE TABLE IF NOT EXISTS items (
+    id TEXT PRIMARY KEY,
+    response_id TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS items_by_response ON items (response_id);
 """
 _UNFINISHED = ("queued", "in_progress")
 
@@ -67,8 +72,13 @@ class ResponseStore:
         """Write a response; `request`: a background one's request JSON (kept while it runs)."""
         row = (response["id"], int(response["created_at"]), json.dumps(response),
                json.dumps(input_items), response.get("status"), request)  # fmt: skip
-        with self._mutex:
+        # each item id -> the first response that held it (item_reference inputs find it there)
+        ids = [(i["id"], response["id"]) for i in input_items + list(response.get("output") or [])
+               if isinstance(i.get("id"), str)]  # fmt: skip
+        with self._mutex, self._conn:
+            self._conn.execute("BEGIN")
             self._conn.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
+            self._conn.executemany("INSERT OR IGNORE INTO items VALUES (?, ?)", ids)
 
     def unfinished(self) -> list[tuple[StoredResponse, str]]:
         """Background responses still queued or in progress, oldest first, with their requests."""
@@ -89,7 +99,29 @@ class ResponseStore:
             return None
         return StoredResponse(json.loads(row[0]), json.loads(row[1]))
 
-    def delete(self, response_id: str) -> bool:
+    def items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Stored conversations' items by id (inputs or outputs of responses), those found;
+        each response holding them read once."""
+        wanted = set(item_ids)
         with self._mutex:
+            where: dict[str, list[str]] = {}
+            for item_id in wanted:
+                row = self._conn.execute(
+                    "SELECT response_id FROM items WHERE id = ?", (item_id,)
+                ).fetchone()
+                if row is not None:
+                    where.setdefault(row[0], []).append(item_id)
+        found: dict[str, dict[str, Any]] = {}
+        for response_id in where:
+            stored = self.get(response_id)
+            for item in stored.conversation if stored is not None else []:
+                if item.get("id") in wanted:
+                    found.setdefault(item["id"], item)
+        return found
+
+    def delete(self, response_id: str) -> bool:
+        with self._mutex, self._conn:
+            self._conn.execute("BEGIN")
             cur = self._conn.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            self._conn.execute("DELETE FROM items WHERE response_id = ?", (response_id,))
         return cur.rowcount > 0

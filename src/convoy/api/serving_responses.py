@@ -70,7 +70,7 @@ class ResponsesServing:
         if request.background and priority == Priority.BATCH:
             raise SamplingParamsError("a batch line cannot start a background response",
                                       "background")  # fmt: skip
-        items = request.input_items()
+        items = await self.input_items(request)
         if request.previous_response_id:
             previous = await self.load(request.previous_response_id, "previous_response_id")
             items = previous.conversation + items
@@ -102,12 +102,28 @@ class ResponsesServing:
         # when the client left before the first event
         return ClosingGenerator(events.run(result), result.aclose)
 
+    async def input_items(self, request: ResponsesRequest) -> list[Item]:
+        """The request's input as items, each item_reference replaced by the stored item it
+        names (an input or output item of a stored response; 404 naming it when none is)."""
+        items = request.input_items()
+        wanted = [item["id"] for item in items if item["type"] == "item_reference"]
+        if not wanted:
+            return items
+        found = {} if self.store is None else await asyncio.to_thread(self.store.items, wanted)
+        for i, item in enumerate(items):
+            if item["type"] == "item_reference":
+                if item["id"] not in found:
+                    raise APIError(404, f"no stored item with id {item['id']!r}",
+                                   param=f"input[{i}].id")  # fmt: skip
+                items[i] = dict(found[item["id"]])
+        return items
+
     async def count_input_tokens(self, request: ResponsesRequest) -> InputTokenCount:
         """POST /v1/responses/input_tokens: the prompt tokens `request` would run with (its
         conversation after previous_response_id, instructions, tools, truncation), the
         `usage.input_tokens` its response would report; nothing runs or is stored."""
         request.check_supported()
-        items = request.input_items()
+        items = await self.input_items(request)
         if request.previous_response_id:
             previous = await self.load(request.previous_response_id, "previous_response_id")
             items = previous.conversation + items
