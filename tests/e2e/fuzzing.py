@@ -89,9 +89,16 @@ def _problem(response: httpx.Response) -> str | None:
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         if b'"server_error"' in response.content:
             return "a server_error frame in the stream"
-        if not response.content.rstrip().endswith(b"data: [DONE]"):
+        if response.request.url.path == "/v1/responses":  # typed events, no [DONE] (OpenAI's)
+            last = response.content.rstrip().rsplit(b"\n\n", 1)[-1]
+            if not last.startswith(_RESPONSE_ENDS):
+                return "a Responses stream that does not end with response.completed/incomplete"
+        elif not response.content.rstrip().endswith(b"data: [DONE]"):
             return "a stream that does not end with [DONE]"
     return None
+
+
+_RESPONSE_ENDS = (b"event: response.completed\n", b"event: response.incomplete\n")
 
 
 def _request(http: httpx.Client, case: schemathesis.Case) -> httpx.Request:
