@@ -70,10 +70,7 @@ class ResponsesServing:
         if request.background and priority == Priority.BATCH:
             raise SamplingParamsError("a batch line cannot start a background response",
                                       "background")  # fmt: skip
-        items = await self.input_items(request)
-        if request.previous_response_id:
-            previous = await self.load(request.previous_response_id, "previous_response_id")
-            items = previous.conversation + items
+        items = await self.conversation(request)
         if request.truncation == "auto":  # renders the conversation a few times: off the loop
             chat = await asyncio.to_thread(self.to_chat, request, items)
         else:
@@ -102,6 +99,15 @@ class ResponsesServing:
         # when the client left before the first event
         return ClosingGenerator(events.run(result), result.aclose)
 
+    async def conversation(self, request: ResponsesRequest) -> list[Item]:
+        """The items the request runs over: previous_response_id's conversation, then its
+        input (item references resolved)."""
+        items = await self.input_items(request)
+        if request.previous_response_id:
+            previous = await self.load(request.previous_response_id, "previous_response_id")
+            items = previous.conversation + items
+        return items
+
     async def input_items(self, request: ResponsesRequest) -> list[Item]:
         """The request's input as items, each item_reference replaced by the stored item it
         names (an input or output item of a stored response; 404 naming it when none is)."""
@@ -123,10 +129,7 @@ class ResponsesServing:
         conversation after previous_response_id, instructions, tools, truncation), the
         `usage.input_tokens` its response would report; nothing runs or is stored."""
         request.check_supported()
-        items = await self.input_items(request)
-        if request.previous_response_id:
-            previous = await self.load(request.previous_response_id, "previous_response_id")
-            items = previous.conversation + items
+        items = await self.conversation(request)
 
         def count() -> int:
             chat = self.to_chat(request, items)
