@@ -144,3 +144,28 @@ def test_best_of_returns_the_n_best_choices_and_bills_every_candidate(client: Op
     assert [c.index for c in completion.choices] == [0, 1]
     assert completion.usage is not None
     assert completion.usage.completion_tokens == 3 * MAX_TOKENS  # as OpenAI bills best_of
+
+
+def test_return_tokens_as_token_ids(http: httpx.Client) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs name each token `token_id:<id>` (completions'
+    tokens and top keys, chat's token and top tokens); the ids spell the text, the offsets and
+    logprobs are those of the plain answer."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0, "logprobs": 2}  # fmt: skip
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    as_ids = http.post("/v1/completions",
+                       json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]  # fmt: skip
+    tokens = as_ids["logprobs"]["tokens"]
+    assert all(t.startswith("token_id:") for t in tokens)
+    ids = [int(t.split(":")[1]) for t in tokens]
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == plain["text"]
+    assert as_ids["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert as_ids["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    assert all(k.startswith("token_id:") for top in as_ids["logprobs"]["top_logprobs"]
+               for k in top)  # fmt: skip
+    chat = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}).json()
+    entries = chat["choices"][0]["logprobs"]["content"]
+    assert all(e["token"].startswith("token_id:") for e in entries)
+    assert all(t["token"].startswith("token_id:") for e in entries for t in e["top_logprobs"])

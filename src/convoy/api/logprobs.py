@@ -45,13 +45,18 @@ def token_texts(
 
 
 class TokenNames:
-    """Decodes single token ids (the keys of top logprobs), caching them for the request."""
+    """Decodes single token ids (the keys of top logprobs), caching them for the request;
+    `as_ids` (vLLM's return_tokens_as_token_ids): names them `token_id:<id>` instead, where a
+    token's text may not be its own (half a character, a merge)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool = False) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self.as_ids = as_ids
 
     def __call__(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         name = self._cache.get(token_id)
         if name is None:
             name = self._tokenizer.decode([token_id], skip_special_tokens=False)
@@ -70,7 +75,7 @@ def legacy_logprobs(
     out = CompletionLogProbs()
     offset = start_offset
     for text, token_id, position in zip(texts, token_ids, positions, strict=True):
-        out.tokens.append(text)
+        out.tokens.append(names(token_id) if names.as_ids else text)  # offsets: the text's
         out.text_offset.append(offset)
         offset += len(text)
         if position is None:

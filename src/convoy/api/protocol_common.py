@@ -184,6 +184,8 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = False
     truncate_prompt_tokens: TruncatePromptTokens | None = None
+    # logprobs name tokens `token_id:<id>` (vLLM's; the text of a token may not be its own)
+    return_tokens_as_token_ids: bool | None = False
     # vLLM's, for sampling this server does not do: a 400 naming them when set, not an output
     # made without them
     use_beam_search: bool | None = False

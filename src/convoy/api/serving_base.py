@@ -109,9 +109,10 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
             body_size, self._prepare, request, params, api_id, priority
         )
         record = record or RequestRecord(request_id=api_id)
+        as_ids = bool(getattr(request, "return_tokens_as_token_ids", False))
         job = Job(
             api_id, int(time.time()), request, prompts, params.n, record,
-            TokenNames(self.client.tokenizer),
+            TokenNames(self.client.tokenizer, as_ids),
         )  # fmt: skip
         record.api_id, record.num_prompts = api_id, len(prompts)
         if params.prediction is not None:
