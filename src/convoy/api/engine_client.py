@@ -207,13 +207,12 @@ class EngineClient:
         """vLLM's truncate_prompt_tokens: the last `keep` token ids of the text (-1: as many as
         the context holds) and whether any were cut. A text certainly longer than the context
         is cut first (Tokenizer.tail), so a 32 MiB one is not tokenized whole."""
-        if self.tokenizer.min_tokens(text) >= self.max_model_len:
+        too_long = self.tokenizer.min_tokens(text) >= self.max_model_len
+        if too_long:
             text = self.tokenizer.tail(text, self.max_model_len)
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-            return self.truncated(ids, keep), True
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         kept = self.truncated(ids, keep)
-        return kept, len(kept) < len(ids)
+        return kept, too_long or len(kept) < len(ids)
 
     def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
         """The last `keep` ids (-1: max_model_len; None: all)."""

@@ -11,13 +11,22 @@ from pydantic import Field
 
 from convoy.api.chat_template import check_continuation, check_template_kwargs
 from convoy.api.protocol_base import OpenAIModel, is_none
-from convoy.api.protocol_common import MAX_INT32, SamplingRequest, UsageInfo
+from convoy.api.protocol_common import MAX_INT32, SamplingRequest, UsageInfo, refuse_set
 from convoy.api.protocol_structured import ResponseFormat
 from convoy.api.protocol_tools import ChatMessageParam, DeltaToolCall, ToolCall, ToolsRequest
 from convoy.api.reasoning import effort_thinks
 from convoy.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
+
+
+_DEPRECATED = "(deprecated by OpenAI) is not supported; pass the functions as tools (and tool_choice)"
+_UNSUPPORTED_CHAT = {
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not supported",
+    "functions": f"functions {_DEPRECATED}",
+    "function_call": f"function_call {_DEPRECATED}",
+}
 
 
 class ChatCompletionRequest(SamplingRequest, ToolsRequest):
@@ -44,17 +53,7 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
         super().check()
         if any(m != "text" for m in self.modalities or []):
             raise SamplingParamsError("only text output is supported", "modalities")
-        if self.audio is not None:
-            raise SamplingParamsError("audio output is not supported", "audio")
-        if self.web_search_options is not None:
-            raise SamplingParamsError("web search is not supported", "web_search_options")
-        for name in ("functions", "function_call"):
-            if getattr(self, name) is not None:
-                raise SamplingParamsError(
-                    f"{name} (deprecated by OpenAI) is not supported; pass the functions as"
-                    " tools (and tool_choice)",
-                    name,
-                )
+        refuse_set(self, _UNSUPPORTED_CHAT)
         for message in self.messages:
             message.check()
         if self.chat_template_kwargs:

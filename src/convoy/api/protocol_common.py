@@ -160,6 +160,26 @@ def check_truncation(value: int | None, param: str = "truncate_prompt_tokens") -
         raise SamplingParamsError(f"{param} must be -1 or at least 1", param)
 
 
+def refuse_set(
+    request: RequestModel, fields: dict[str, str], unset: tuple[Any, ...] = (None,)
+) -> None:
+    """A 400 naming the first of `fields` (name -> why) the request sets (a value other than
+    those in `unset`): what this server does not do, refused rather than answered without it."""
+    for name, message in fields.items():
+        value = getattr(request, name)
+        if value not in unset:
+            raise SamplingParamsError(message, name)
+
+
+_UNSUPPORTED_SAMPLING = {  # vLLM's
+    "use_beam_search": "beam search is not supported",
+    "bad_words": "bad_words is not supported (logit_bias can ban single tokens)",
+    "allowed_token_ids": "allowed_token_ids is not supported (structured outputs can restrict"
+    " the text)",
+    "logits_processors": "logits_processors are not supported",
+}
+
+
 class SamplingRequest(RequestModel):
     """Fields completions and chat share: OpenAI's, then vLLM's extensions."""
 
@@ -221,16 +241,7 @@ class SamplingRequest(RequestModel):
                 "stream_options is only allowed when stream is true", "stream_options"
             )
         check_truncation(self.truncate_prompt_tokens)
-        unsupported = {
-            "use_beam_search": "beam search is not supported",
-            "bad_words": "bad_words is not supported (logit_bias can ban single tokens)",
-            "allowed_token_ids": "allowed_token_ids is not supported (structured outputs can"
-            " restrict the text)",
-            "logits_processors": "logits_processors are not supported",
-        }
-        for name, message in unsupported.items():
-            if getattr(self, name):
-                raise SamplingParamsError(message, name)
+        refuse_set(self, _UNSUPPORTED_SAMPLING, unset=(None, False, []))
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         return {

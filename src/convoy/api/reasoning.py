@@ -39,6 +39,13 @@ EFFORT_THINKS = {"none": False, "minimal": False, "low": True, "medium": True, "
                  "xhigh": True, "max": True}  # fmt: skip
 
 
+def check_reasons(template: str | None, param: str) -> None:
+    """A reasoning effort (chat's reasoning_effort, Responses' reasoning.effort) for a model
+    whose template does not think: a 400 naming `param`."""
+    if not is_thinking_template(template):
+        raise SamplingParamsError("this model does not reason", param)
+
+
 def effort_thinks(effort: object, param: str) -> bool:
     """enable_thinking for an effort; a 400 naming `param` for an unknown one."""
     if not isinstance(effort, str) or effort not in EFFORT_THINKS:

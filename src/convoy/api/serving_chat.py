@@ -35,7 +35,7 @@ from convoy.api.protocol_tools import (
 from convoy.api.reasoning import (
     ReasoningStream,
     ThinkStart,
-    is_thinking_template,
+    check_reasons,
     num_reasoning_tokens,
     split_reasoning,
     think_start,
@@ -45,7 +45,7 @@ from convoy.api.structured_reasoning import constrain_after_think
 from convoy.api.tool_format import CallDelta, ToolCallStream, parse_tool_calls, split_reply
 from convoy.engine.request import Priority
 from convoy.outputs import CompletionOutput, FinishReason, RequestOutput
-from convoy.sampling_params import SamplingParams, SamplingParamsError
+from convoy.sampling_params import SamplingParams
 from convoy.structured.params import StructuredOutputsError, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -89,10 +89,8 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
     chunk_type = ChatCompletionChunk
 
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
-        if request.reasoning_effort is not None and not is_thinking_template(
-            self.client.tokenizer.chat_template
-        ):  # as Responses' reasoning.effort (and OpenAI's models that do not reason)
-            raise SamplingParamsError("this model does not reason", "reasoning_effort")
+        if request.reasoning_effort is not None:
+            check_reasons(self.client.tokenizer.chat_template, "reasoning_effort")
         return [render_chat(self.client, request)]
 
     def think_start(self, prompts: list[Prompt]) -> ThinkStart:

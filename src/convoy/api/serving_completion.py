@@ -188,17 +188,13 @@ def encode_prompts(
         raise APIError(400, f"{param} must not be an empty list", param=param)
     if len(items) > limit:
         raise APIError(400, f"{len(items)} prompts is more than the limit of {limit}", param=param)
-    if keep is None:
-        encode = client.encode_prompt
-        return [
-            Prompt(item, encode(item, param)) if isinstance(item, str) else Prompt(None, item)
-            for item in items
-        ]
     prompts = []
     for item in items:
-        if isinstance(item, str):
+        if not isinstance(item, str):
+            prompts.append(Prompt(None, client.truncated(item, keep)))
+        elif keep is None:
+            prompts.append(Prompt(item, client.encode_prompt(item, param)))
+        else:
             ids, cut = client.encode_truncated(item, keep)
             prompts.append(Prompt(None if cut else item, ids))
-        else:
-            prompts.append(Prompt(None, client.truncated(item, keep)))
     return prompts

@@ -27,7 +27,7 @@ from convoy.api.protocol_responses import (
     ResponsesRequest,
     new_item_id,
 )
-from convoy.api.reasoning import is_thinking_template
+from convoy.api.reasoning import check_reasons
 from convoy.api.responses_background import BackgroundResponses
 from convoy.api.responses_items import (
     check_logprobs,
@@ -191,10 +191,8 @@ class ResponsesServing:
         """`reasoning.effort` as a thinking model's enable_thinking (None: not set); 400 for a
         model whose template does not think."""
         effort = request.thinking()
-        if effort is not None and not is_thinking_template(
-            self.chat.client.tokenizer.chat_template
-        ):
-            raise SamplingParamsError("this model does not reason", "reasoning.effort")
+        if effort is not None:
+            check_reasons(self.chat.client.tokenizer.chat_template, "reasoning.effort")
         return effort
 
     async def _save(self, request: ResponsesRequest, response: Item, items: list[Item]) -> None:
