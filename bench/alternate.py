@@ -9,7 +9,9 @@ drift into the ratio. Here both servers load the same GGUF first and stay up; ea
 one greedy streamed /v1/completions (EOS ignored) to one, then the other, the order flipped
 every round, and the ratio is taken round by round: both sides of a ratio ran within seconds
 of each other. Prints each round's tokens/s (tokens over the request's wall time, and decode
-alone: after the first token) and the median of the per-round ratios.
+alone: after the first token) and the median of the per-round ratios. `--whole` also sends each
+round the same completion unstreamed to each server (right after its streamed one), so what
+streaming costs each server shows beside the ratio.
 
 Both servers must fit in memory together, or the one that maps its file (llama-server) reads
 its weights back from disk while the other runs: the script refuses when the file's size x 3
@@ -52,6 +54,12 @@ def one(srv: peer.Server, tokens: int, timeout_s: float) -> tuple[float, float]:
     return run.tokens / run.wall_s, (run.tokens - 1) / max(run.wall_s - run.ttfts[0], 1e-9)
 
 
+def whole(srv: peer.Server, tokens: int, timeout_s: float) -> float:
+    """tokens / wall of the same completion, not streamed."""
+    run = peer.one_request(srv, [PROMPT], tokens, timeout_s)
+    return run.tokens / run.wall_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
@@ -65,6 +73,7 @@ def main() -> None:
     add("--timeout", type=float, default=600, help="seconds a request")
     add("--start-timeout", type=float, default=900, help="seconds for a server to load")
     add("--force", action="store_true", help="run even where both may not fit in memory")
+    add("--whole", action="store_true", help="also the same completion unstreamed, each round")
     args = parser.parse_args()
     if args.host not in peer.LOOPBACK:
         parser.error(f"--host {args.host}: only {' or '.join(peer.LOOPBACK)}")
@@ -95,14 +104,21 @@ def main() -> None:
         one(srv, 8, args.timeout)  # warm: first requests build caches and touch pages
     names = [s.name for s in servers]
     res: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    unstreamed: dict[str, list[float]] = {n: [] for n in names}
     print(f"{gguf.name}, {threads} threads, {args.tokens} tokens a request; tok/s (wall / decode)")
-    print("| round | llama-server | convoy | convoy / llama-server |")
-    print("|---|---|---|---|")
+    extra = " unstreamed: llama-server / convoy |" if args.whole else ""
+    print(f"| round | llama-server | convoy | convoy / llama-server |{extra}")
+    print("|---|---|---|---|" + ("---|" if args.whole else ""))
     for r in range(args.rounds):
         for srv in servers if r % 2 == 0 else servers[::-1]:
             res[srv.name].append(one(srv, args.tokens, args.timeout))
+            if args.whole:
+                unstreamed[srv.name].append(whole(srv, args.tokens, args.timeout))
         (lw, ld), (cw, cd) = res["llama-server"][-1], res["convoy"][-1]
-        print(f"| {r} | {lw:.1f} / {ld:.1f} | {cw:.1f} / {cd:.1f} | {cw / lw:.2f}x |", flush=True)
+        cells = f"| {r} | {lw:.1f} / {ld:.1f} | {cw:.1f} / {cd:.1f} | {cw / lw:.2f}x |"
+        if args.whole:
+            cells += f" {unstreamed['llama-server'][-1]:.1f} / {unstreamed['convoy'][-1]:.1f} |"
+        print(cells, flush=True)
     ratios = [c[0] / ll[0] for c, ll in zip(res["convoy"], res["llama-server"], strict=True)]
     med = {n: statistics.median(w for w, _ in res[n]) for n in names}
     print(
@@ -110,6 +126,16 @@ def main() -> None:
         f" per-round ratio median {statistics.median(ratios):.2f}x"
         f" (min {min(ratios):.2f}, max {max(ratios):.2f})"
     )
+    if args.whole:
+        wr = [
+            c / ll for c, ll in zip(unstreamed["convoy"], unstreamed["llama-server"], strict=True)
+        ]
+        wm = {n: statistics.median(unstreamed[n]) for n in names}
+        print(
+            f"unstreamed: llama-server {wm['llama-server']:.1f}, convoy {wm['convoy']:.1f} tok/s;"
+            f" per-round ratio median {statistics.median(wr):.2f}x"
+            f" (min {min(wr):.2f}, max {max(wr):.2f})"
+        )
     for srv in servers:
         srv.stop()
 
