@@ -111,6 +111,42 @@ def test_continue_final_message(client: OpenAI, http: httpx.Client) -> None:
         assert refused.json()["error"]["param"] == "continue_final_message"
 
 
+def test_echo_puts_the_continued_message_first(client: OpenAI, http: httpx.Client) -> None:
+    """vLLM's chat `echo`: the reply starts with the last message's text when that message is
+    the assistant's, whole and streamed (right after the role delta, with no logprobs); the
+    tokens counted are the model's only; a last message of another role puts nothing first."""
+    said = "The colour I pick is"
+    started = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": said},
+    ]
+    go_on = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = chat(client, started, extra_body=go_on)
+    echoed = chat(client, started, extra_body={**go_on, "echo": True})
+    reply = plain.choices[0].message.content  # type: ignore[attr-defined]
+    assert reply and echoed.choices[0].message.content == said + reply  # type: ignore[attr-defined]
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens  # type: ignore[attr-defined]
+    stream = chat(client, started, stream=True, logprobs=True,
+                  extra_body={**go_on, "echo": True})  # fmt: skip
+    choices = [c.choices[0] for c in stream if c.choices]  # type: ignore[attr-defined]
+    assert [c.delta.content for c in choices[:2]] == ["", said] and choices[1].logprobs is None
+    assert choices[2].logprobs is not None
+    assert "".join(c.delta.content or "" for c in choices) == said + reply
+    asked = [{"role": "user", "content": "Name a colour."}]
+    answer = chat(client, asked).choices[0].message.content  # type: ignore[attr-defined]
+    assert chat(client, asked, extra_body={"echo": True}).choices[0].message.content == answer  # type: ignore[attr-defined]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": asked, "echo": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    # a long message echoed once a choice is bounded (truncate_prompt_tokens lets it run)
+    long = [asked[0], {"role": "assistant", "content": "word " * 60_000}]  # 300 KB
+    body = {"model": MODEL, "messages": long, **go_on, "echo": True, "max_tokens": 1,
+            "truncate_prompt_tokens": 32}  # fmt: skip
+    r = http.post("/v1/chat/completions", json={**body, "n": 128})  # 38 M characters
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    r = http.post("/v1/chat/completions", json={**body, "n": 2})
+    assert r.status_code == 200 and r.json()["choices"][1]["message"]["content"].startswith("word ")
+
+
 def test_an_assistant_refusal_part_is_its_text(http: httpx.Client) -> None:
     """OpenAI's assistant content part `{"type": "refusal", "refusal": ...}` renders as its
     text; on another role it stays a 400."""

@@ -29,6 +29,11 @@ _UNSUPPORTED_CHAT = {
 }
 
 
+# `echo` sends the last message once a choice: at most this many characters in all, what one
+# request body may hold (32 MiB), so a long message and n = 128 cannot make a response of GBs
+MAX_ECHO_CHARS = 32 << 20
+
+
 class ChatCompletionRequest(SamplingRequest, ToolsRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
     logprobs: bool | None = False
@@ -41,6 +46,9 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
     reasoning_effort: str | None = None  # a thinking model's enable_thinking (reasoning.py)
     # vLLM's: the prompt ends inside the last message (an assistant turn the model goes on with)
     continue_final_message: bool | None = False
+    # vLLM's: the reply starts with the last message's text when that message is the assistant's
+    # (the reply's role), so a continued message comes back whole
+    echo: bool | None = False
     # OpenAI's, for outputs this server has no model for: a 400 naming them, not a text reply
     # the client would read as the audio or search it asked for
     modalities: list[str] | None = None
@@ -61,6 +69,12 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
         if self.reasoning_effort is not None:
             effort_thinks(self.reasoning_effort, "reasoning_effort")
         check_continuation(self.continue_final_message, self.add_generation_prompt)
+        if (size := len(self.echo_text()) * (self.n or 1)) > MAX_ECHO_CHARS:
+            raise SamplingParamsError(
+                f"echo would send the last message {self.n or 1} times ({size} characters),"
+                f" more than the limit of {MAX_ECHO_CHARS}",
+                "echo",
+            )
         self.check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -73,6 +87,12 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
         kwargs = {"enable_thinking": effort_thinks(self.reasoning_effort, "reasoning_effort"),
                   "reasoning_effort": self.reasoning_effort}  # fmt: skip
         return {**kwargs, **(self.chat_template_kwargs or {})}
+
+    def echo_text(self) -> str:
+        """What `echo` puts before the reply: the last message's text if it is the assistant's
+        (text parts joined by newlines, as vLLM's), else nothing."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def constraints(self) -> list[tuple[str, dict[str, Any]]]:
         found = super().constraints()

@@ -151,9 +151,12 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
         start = self.think_start(job.prompts)
         choices: list[ChatCompletionChoice] = []
         num_reasoning = None if start == ThinkStart.OFF else 0
+        echo = job.request.echo_text()
         for c in sorted(final.outputs, key=lambda c: c.index):
             reasoning, content, split = split_reasoning(start, c.text)
             message, finish = _message(job.request, c, content, reasoning)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(
                 ChatCompletionChoice(
                     index=c.index,
@@ -175,10 +178,14 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
     async def stream(
         self, job: _Job, outputs: Outputs
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
-        """A role delta per choice first, then content deltas, each choice's finish, usage."""
+        """A role delta per choice first (then `echo`'s text), then content deltas, each
+        choice's finish, usage."""
         for j in range(job.n):
             role = DeltaMessage(role="assistant", content="")
             yield self.chunk(job, [ChatStreamChoice(index=j, delta=role)])
+        if echo := job.request.echo_text():
+            for j in range(job.n):
+                yield self.chunk(job, [ChatStreamChoice(index=j, delta=DeltaMessage(content=echo))])
         num_completion_tokens = 0
         is_tool_reply = job.request.tool_mode != "none"
         parsers = {j: ToolCallStream() for j in range(job.n)} if is_tool_reply else {}
