@@ -23,6 +23,7 @@ _error = error_object
 
 BAD_COMPLETIONS = [
     ({"use_beam_search": True, "n": 2}, "use_beam_search"),
+    ({"priority": 3}, "priority"),
     ({"bad_words": ["the"]}, "bad_words"),
     ({"temperature": 3}, "temperature"),
     ({"temperature": -1}, "temperature"),
@@ -99,7 +100,19 @@ BAD_CHATS = [
     ({"bad_words": ["Paris"]}, "bad_words"),
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ({"logits_processors": ["x"]}, "logits_processors"),
+    ({"priority": -1}, "priority"),
 ]
+
+
+def test_vllm_fields_at_their_defaults_pass(http: httpx.Client) -> None:
+    """What vLLM's clients send unset (beam search off, no bad words, priority 0) is no 400: only
+    a value that asks for what this server does not do is refused."""
+    unset = {"use_beam_search": False, "bad_words": [], "allowed_token_ids": None,
+             "logits_processors": [], "priority": 0}  # fmt: skip
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **unset}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, **unset}
+    assert http.post("/v1/completions", json=body).status_code == 200
 
 
 @pytest.mark.parametrize(("change", "param"), BAD_CHATS)

@@ -177,6 +177,8 @@ _UNSUPPORTED_SAMPLING = {  # vLLM's
     "allowed_token_ids": "allowed_token_ids is not supported (structured outputs can restrict"
     " the text)",
     "logits_processors": "logits_processors are not supported",
+    # as vLLM without --scheduling-policy priority: another priority than 0 is an error
+    "priority": "priority scheduling is not enabled: requests run first come, first served",
 }
 
 
@@ -212,6 +214,7 @@ class SamplingRequest(RequestModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     logits_processors: list[Any] | None = None
+    priority: int | None = Field(default=0, ge=-(2**63), lt=2**63)
     skip_special_tokens: bool | None = True
     # only requests with the same salt share prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
