@@ -105,6 +105,29 @@ def test_amplifying_requests_are_400_naming_the_field(
     assert error_object(response, 400)["param"] == param
 
 
+def test_whole_responses_of_too_many_logprobs_are_400(http: httpx.Client) -> None:
+    """A response that is not streamed holds all its logprobs at once (a few KB each on the way
+    out): one that could hold more than a million is a 400 naming the field, before any work
+    (64 choices x 21 alternatives x what the context leaves would be ~10M, tens of GB); the
+    same request streamed runs (its logprobs go out as they come)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": MAX_QUEUE,
+            "logprobs": True, "top_logprobs": 20}  # fmt: skip
+    response = http.post("/v1/chat/completions", json=chat, timeout=FAST_S)
+    assert error_object(response, 400)["param"] == "top_logprobs"
+    capped = {**chat, "max_tokens": 800}  # 64 x 800 x 21: just over
+    response = http.post("/v1/chat/completions", json=capped, timeout=FAST_S)
+    assert "stream it" in error_object(response, 400)["message"]
+    with http.stream("POST", "/v1/chat/completions", json={**capped, "stream": True}) as r:
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["object"] == "chat.completion.chunk"
+    # scoring 60 prompts of 1,000 tokens with 20 alternatives each (echo): 1.26M
+    scoring = {"model": MODEL, "prompt": [[5] * 1000] * 60, "echo": True, "logprobs": 20,
+               "max_tokens": 0}  # fmt: skip
+    response = http.post("/v1/completions", json=scoring, timeout=FAST_S)
+    assert error_object(response, 400)["param"] == "logprobs"
+
+
 # One wrong JSON type per request field: (route, field, value). OpenAI answers 400 to each.
 WRONG_TYPES: list[tuple[str, str, Any]] = (
     [

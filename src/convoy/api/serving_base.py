@@ -42,6 +42,11 @@ T = TypeVar("T")
 # the event loop serves every stream and /health and seconds of tokenizing there stall them all.
 OFF_LOOP_BYTES = 64 << 10
 
+# A response that is not streamed holds all its logprobs at once, and each entry costs a few KB
+# on the way out (the engine's, the response's objects, its JSON): a whole response may hold at
+# most this many (a few GB at its peak); a stream sends them as they come and is not bounded.
+MAX_WHOLE_LOGPROBS = 1_000_000
+
 
 async def off_loop(size: int | None, fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)`, in a worker thread unless `size` (bytes of the request body) is small."""
@@ -140,6 +145,7 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
             if prediction is not None:
                 params.prediction = self._prediction_tokens(prediction.text())
             self.adapt(params, prompts)
+            self._check_whole_logprobs(request, params, prompts)
             return prompts, self.client.process(
                 api_id, prompts, params, self.prompt_param, priority
             )
@@ -150,6 +156,38 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
             for prompt in prompts:
                 prompt.token_ids = []
             raise
+
+    def logprobs_param(self, request: RequestT) -> str:
+        """The field that asked for the generated tokens' logprobs."""
+        return "logprobs"
+
+    def _check_whole_logprobs(
+        self, request: RequestT, params: SamplingParams, prompts: list[Prompt]
+    ) -> None:
+        """A 400 when a response that is not streamed could hold more than MAX_WHOLE_LOGPROBS
+        logprob entries: each sequence's tokens up to max_tokens (else what the context leaves)
+        with their alternatives, and each choice's copy of its prompt's (echo)."""
+        gen_k, prompt_k = params.logprobs, params.prompt_logprobs
+        if getattr(request, "stream", False) or (gen_k is None and prompt_k is None):
+            return
+        context = self.client.max_model_len
+        entries = 0
+        for prompt in prompts:
+            length = len(prompt.token_ids)
+            if gen_k is not None:
+                room = max(context - length, 0)
+                tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+                entries += params.num_seqs * tokens * (gen_k + 1)
+            if prompt_k is not None:
+                entries += params.n * length * (prompt_k + 1)
+        if entries > MAX_WHOLE_LOGPROBS:
+            param = self.logprobs_param(request) if gen_k is not None else "echo"
+            raise SamplingParamsError(
+                f"this response could hold {entries} logprobs, more than the limit of"
+                f" {MAX_WHOLE_LOGPROBS} for one that is not streamed: stream it (stream: true)"
+                f" or ask for fewer (max_tokens, n, {param})",
+                param,
+            )
 
     def _prediction_tokens(self, text: str) -> list[int]:
         token_ids: list[int] = self.client.tokenizer.encode(text, add_special_tokens=False)

@@ -93,6 +93,9 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
             check_reasons(self.client.tokenizer.chat_template, "reasoning_effort")
         return [render_chat(self.client, request)]
 
+    def logprobs_param(self, request: ChatCompletionRequest) -> str:
+        return "top_logprobs" if request.top_logprobs else "logprobs"
+
     def think_start(self, prompts: list[Prompt]) -> ThinkStart:
         """Where the replies start relative to a think block (reasoning.py)."""
         client = self.client
