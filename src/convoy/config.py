@@ -337,6 +337,13 @@ class ServerConfig(_Config):
         " it answers 429 with Retry-After (at least --max-seqs-per-request)",
         kind="positive",
     )
+    max_logprobs_in_flight: int = setting(
+        1_000_000,
+        "logprob entries the responses that are not streamed may hold at once (each costs a few"
+        " KB until it is sent): a request that could hold more answers 400, one that would pass"
+        " it beside those in flight 429 with Retry-After; streams are not counted",
+        kind="positive",
+    )
     max_request_bytes: int = setting(32 << 20, "larger request bodies answer 413", kind="size")
     request_body_timeout: int = setting(
         60,

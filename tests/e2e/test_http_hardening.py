@@ -32,6 +32,7 @@ BODY_TIMEOUT_S = 1
 MAX_BODY = 10 << 20
 LARGE_PROMPT_BYTES = 8 << 20  # seconds of tokenizing on 2 cores
 HIT_METRIC = "convoy_prefix_cache_hit_tokens_total"
+MAX_LOGPROBS = 8_000  # logprob entries of whole responses in flight, all together
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,7 @@ def hardened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         MODEL, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "128MiB",
         "--api-key-file", str(key_file), "--request-body-timeout", str(BODY_TIMEOUT_S),
         "--max-request-bytes", str(MAX_BODY),
+        "--max-logprobs-in-flight", str(MAX_LOGPROBS),
     ]  # fmt: skip
     server = start_server(args, folder)
     try:
@@ -233,3 +235,34 @@ def test_cache_salt_is_bounded(hardened: Server) -> None:
             f"{hardened.base_url}/v1/completions", json=body, headers=hardened.headers
         )
         assert _error(response.status_code, response.content, 400)["param"] == "cache_salt"
+
+
+def test_whole_responses_logprobs_in_flight_are_bounded(hardened: Server) -> None:
+    """--max-logprobs-in-flight: whole responses that could hold more logprob entries than it
+    together wait (429 with Retry-After) while one holds them; one that alone could hold more
+    is a 400; a stream is not counted; once the first is sent, the next is admitted."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "logprobs": 20,
+            "ignore_eos": True}  # fmt: skip  # 300 x 21 = 6,300 entries a response
+    results: list[httpx.Response] = []
+    first = threading.Thread(target=lambda: results.append(
+        httpx.post(f"{hardened.base_url}/v1/completions", json=body, headers=headers, timeout=120)
+    ))  # fmt: skip
+    first.start()
+    with httpx.Client(base_url=hardened.base_url, headers=headers, timeout=60) as http:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "convoy_num_requests_running 1" not in http.get(
+            "/metrics"
+        ).text:
+            time.sleep(0.02)
+        second = http.post("/v1/completions", json=body)
+        assert second.status_code == 429 and int(second.headers["Retry-After"]) >= 1
+        assert second.json()["error"]["code"] == "queue_full"
+        streamed = http.post("/v1/completions", json={**body, "max_tokens": 2, "stream": True})
+        assert streamed.status_code == 200
+        alone = http.post("/v1/completions", json={**body, "max_tokens": 400})  # 8,400
+        assert alone.status_code == 400 and alone.json()["error"]["param"] == "logprobs"
+        first.join()
+        assert results[0].status_code == 200
+        assert len(results[0].json()["choices"][0]["logprobs"]["tokens"]) == 300
+        assert http.post("/v1/completions", json={**body, "max_tokens": 5}).status_code == 200

@@ -54,25 +54,34 @@ class ServingLimits:
     max_prompts_per_request: int
     max_seqs_per_request: int | None = None  # prompts x max(n, best_of) in one request
     max_queue_seqs: int | None = None  # sequences in flight, all requests together
+    max_logprobs_in_flight: int | None = None  # whole responses' logprob entries, all together
 
     @classmethod
     def of(cls, config: ServerConfig) -> ServingLimits:
         return cls(
-            config.max_prompts_per_request, config.max_seqs_per_request, config.max_queue_seqs
-        )
+            config.max_prompts_per_request, config.max_seqs_per_request, config.max_queue_seqs,
+            config.max_logprobs_in_flight,
+        )  # fmt: skip
 
 
 class _Admission:
     """The engine requests and sequences one API request holds; given back as they end."""
 
-    __slots__ = ("client", "num_requests", "num_seqs", "is_queued")
+    __slots__ = ("client", "num_requests", "num_seqs", "is_queued", "logprobs")
 
     def __init__(
-        self, client: EngineClient, num_requests: int, num_seqs: int, is_queued: bool = True
+        self,
+        client: EngineClient,
+        num_requests: int,
+        num_seqs: int,
+        is_queued: bool = True,
+        logprobs: int = 0,
     ) -> None:
         self.client, self.num_requests, self.num_seqs = client, num_requests, num_seqs
         self.is_queued = is_queued  # counted against max_queue_seqs (not for Batch API lines)
+        self.logprobs = logprobs  # a whole response's logprob entries, at most
         client.num_in_flight += num_requests
+        client.logprobs_in_flight += logprobs
         if is_queued:
             client.num_seqs_in_flight += num_seqs
 
@@ -86,6 +95,8 @@ class _Admission:
 
     def release_all(self) -> None:
         self.release(self.num_requests, self.num_seqs)
+        self.client.logprobs_in_flight -= self.logprobs
+        self.logprobs = 0
 
     async def aclose(self) -> None:
         self.release_all()
@@ -136,6 +147,7 @@ class EngineClient:
         # Engine requests admitted and not yet finished, Batch API lines too (a /metrics gauge).
         self.num_in_flight = 0
         self.num_seqs_in_flight = 0  # their sequences but batch ones: what max_queue_seqs bounds
+        self.logprobs_in_flight = 0  # what whole responses' logprobs may come to (all of them)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -167,6 +179,19 @@ class EngineClient:
                 f" flight, this request needs {num_seqs}); retry later",
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+
+    def check_logprobs(self, entries: int, param: str) -> None:
+        """400 when one response that is not streamed could hold more logprob entries than all
+        of them together may (max_logprobs_in_flight)."""
+        limit = self.limits.max_logprobs_in_flight
+        if limit is not None and entries > limit:
+            raise APIError(
+                400,
+                f"this response could hold {entries} logprobs, more than the limit of {limit} for"
+                " one that is not streamed: stream it (stream: true) or ask for fewer"
+                f" (max_tokens, n, {param})",
+                param=param,
             )
 
     def check_num_seqs(self, num_prompts: int, params: SamplingParams, param: str) -> None:
@@ -253,17 +278,28 @@ class EngineClient:
         ]
 
     def generate(
-        self, requests: list[EngineRequest], record: RequestRecord
+        self, requests: list[EngineRequest], record: RequestRecord, logprobs: int = 0
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Admit every prompt's sequences at once (or raise 429 now, before any response is
         started), then run each prompt as its own engine request; the returned stream yields
         (prompt index, output) as they come, and the caller must close it (what it still holds
-        is given back then). Batch-priority requests skip the queue bound."""
+        is given back then). Batch-priority requests skip the queue bound. `logprobs`: the
+        entries a whole response could hold, admitted against max_logprobs_in_flight."""
         num_seqs = sum(r.params.num_seqs for r in requests)
         is_queued = not requests or requests[0].priority == Priority.INTERACTIVE
         if is_queued:
             self.check_capacity(num_seqs)
-        admission = _Admission(self, len(requests), num_seqs, is_queued)
+        limit = self.limits.max_logprobs_in_flight
+        over = limit is not None and self.logprobs_in_flight + logprobs > limit
+        if logprobs and over and is_queued:  # Batch API lines are counted, never refused
+            raise APIError(
+                429,
+                f"the responses in flight may hold {self.logprobs_in_flight} logprobs of the"
+                f" {limit} the server allows, and this one {logprobs}; retry later, or stream it",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        admission = _Admission(self, len(requests), num_seqs, is_queued, logprobs)
         return ClosingGenerator(self._run(requests, record, admission), admission.aclose)
 
     async def _run(

@@ -42,11 +42,6 @@ T = TypeVar("T")
 # the event loop serves every stream and /health and seconds of tokenizing there stall them all.
 OFF_LOOP_BYTES = 64 << 10
 
-# A response that is not streamed holds all its logprobs at once, and each entry costs a few KB
-# on the way out (the engine's, the response's objects, its JSON): a whole response may hold at
-# most this many (a few GB at its peak); a stream sends them as they come and is not bounded.
-MAX_WHOLE_LOGPROBS = 1_000_000
-
 
 async def off_loop(size: int | None, fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)`, in a worker thread unless `size` (bytes of the request body) is small."""
@@ -66,6 +61,7 @@ class Job(Generic[RequestT]):
     n: int
     record: RequestRecord
     names: TokenNames
+    logprobs: int = 0  # the logprob entries its whole response could hold (0: streamed, none)
 
 
 class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
@@ -118,6 +114,7 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         job = Job(
             api_id, int(time.time()), request, prompts, params.n, record,
             TokenNames(self.client.tokenizer, as_ids),
+            self.whole_logprobs(request, params, prompts),
         )  # fmt: skip
         record.api_id, record.num_prompts = api_id, len(prompts)
         if params.prediction is not None:
@@ -129,7 +126,7 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         self, job: Job[RequestT], engine_requests: list[EngineRequest]
     ) -> ResponseT | AsyncGenerator[ChunkT, None]:
         """A prepared job in the engine: its response, or (stream: true) its chunks."""
-        outputs = self.client.generate(engine_requests, job.record)
+        outputs = self.client.generate(engine_requests, job.record, job.logprobs)
         if job.request.stream:  # the caller owns (and must close) the chunks, and so the outputs
             return ClosingGenerator(self.stream(job, outputs), outputs.aclose)
         async with aclosing(outputs):
@@ -145,7 +142,8 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
             if prediction is not None:
                 params.prediction = self._prediction_tokens(prediction.text())
             self.adapt(params, prompts)
-            self._check_whole_logprobs(request, params, prompts)
+            if entries := self.whole_logprobs(request, params, prompts):
+                self.client.check_logprobs(entries, self._logprobs_param(request, params))
             return prompts, self.client.process(
                 api_id, prompts, params, self.prompt_param, priority
             )
@@ -161,15 +159,19 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         """The field that asked for the generated tokens' logprobs."""
         return "logprobs"
 
-    def _check_whole_logprobs(
+    def _logprobs_param(self, request: RequestT, params: SamplingParams) -> str:
+        return self.logprobs_param(request) if params.logprobs is not None else "echo"
+
+    def whole_logprobs(
         self, request: RequestT, params: SamplingParams, prompts: list[Prompt]
-    ) -> None:
-        """A 400 when a response that is not streamed could hold more than MAX_WHOLE_LOGPROBS
-        logprob entries: each sequence's tokens up to max_tokens (else what the context leaves)
-        with their alternatives, and each choice's copy of its prompt's (echo)."""
+    ) -> int:
+        """The logprob entries a response that is not streamed could hold, all at once until it
+        is sent (a few KB each: the engine's, the response's objects, its JSON): each sequence's
+        tokens up to max_tokens (else what the context leaves) with their alternatives, and
+        each choice's copy of its prompt's (echo). 0 for a stream: it sends them as they come."""
         gen_k, prompt_k = params.logprobs, params.prompt_logprobs
         if getattr(request, "stream", False) or (gen_k is None and prompt_k is None):
-            return
+            return 0
         context = self.client.max_model_len
         entries = 0
         for prompt in prompts:
@@ -180,14 +182,7 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
                 entries += params.num_seqs * tokens * (gen_k + 1)
             if prompt_k is not None:
                 entries += params.n * length * (prompt_k + 1)
-        if entries > MAX_WHOLE_LOGPROBS:
-            param = self.logprobs_param(request) if gen_k is not None else "echo"
-            raise SamplingParamsError(
-                f"this response could hold {entries} logprobs, more than the limit of"
-                f" {MAX_WHOLE_LOGPROBS} for one that is not streamed: stream it (stream: true)"
-                f" or ask for fewer (max_tokens, n, {param})",
-                param,
-            )
+        return entries
 
     def _prediction_tokens(self, text: str) -> list[int]:
         token_ids: list[int] = self.client.tokenizer.encode(text, add_special_tokens=False)
