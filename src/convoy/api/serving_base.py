@@ -143,7 +143,7 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
                 params.prediction = self._prediction_tokens(prediction.text())
             self.adapt(params, prompts)
             if entries := self.whole_logprobs(request, params, prompts):
-                self.client.check_logprobs(entries, self._logprobs_param(request, params))
+                self.client.check_logprobs(entries, self.logprobs_param(request, params))
             return prompts, self.client.process(
                 api_id, prompts, params, self.prompt_param, priority
             )
@@ -155,12 +155,9 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
                 prompt.token_ids = []
             raise
 
-    def logprobs_param(self, request: RequestT) -> str:
-        """The field that asked for the generated tokens' logprobs."""
-        return "logprobs"
-
-    def _logprobs_param(self, request: RequestT, params: SamplingParams) -> str:
-        return self.logprobs_param(request) if params.logprobs is not None else "echo"
+    def logprobs_param(self, request: RequestT, params: SamplingParams) -> str:
+        """The field that asked for logprobs (the prompt's alone: echo)."""
+        return "logprobs" if params.logprobs is not None else "echo"
 
     def whole_logprobs(
         self, request: RequestT, params: SamplingParams, prompts: list[Prompt]

@@ -93,7 +93,7 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
             check_reasons(self.client.tokenizer.chat_template, "reasoning_effort")
         return [render_chat(self.client, request)]
 
-    def logprobs_param(self, request: ChatCompletionRequest) -> str:
+    def logprobs_param(self, request: ChatCompletionRequest, params: SamplingParams) -> str:
         return "top_logprobs" if request.top_logprobs else "logprobs"
 
     def think_start(self, prompts: list[Prompt]) -> ThinkStart:
