@@ -64,6 +64,11 @@ class ServingLimits:
         )  # fmt: skip
 
 
+def _at_capacity(message: str) -> APIError:
+    """A 429 the client should retry after a while."""
+    return APIError(429, message, code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 class _Admission:
     """The engine requests and sequences one API request holds; given back as they end."""
 
@@ -173,12 +178,18 @@ class EngineClient:
         """429 unless `num_seqs` more sequences fit in the queue bound now."""
         limit = self.limits.max_queue_seqs
         if limit is not None and self.num_seqs_in_flight + num_seqs > limit:
-            raise APIError(
-                429,
+            raise _at_capacity(
                 f"the server is at capacity ({self.num_seqs_in_flight} of {limit} sequences in"
-                f" flight, this request needs {num_seqs}); retry later",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                f" flight, this request needs {num_seqs}); retry later"
+            )
+
+    def check_logprobs_room(self, logprobs: int) -> None:
+        """429 unless a whole response's `logprobs` entries fit beside those in flight."""
+        limit = self.limits.max_logprobs_in_flight
+        if logprobs and limit is not None and self.logprobs_in_flight + logprobs > limit:
+            raise _at_capacity(
+                f"the responses in flight may hold {self.logprobs_in_flight} logprobs of the"
+                f" {limit} the server allows, and this one {logprobs}; retry later, or stream it"
             )
 
     def check_logprobs(self, entries: int, param: str) -> None:
@@ -287,18 +298,9 @@ class EngineClient:
         entries a whole response could hold, admitted against max_logprobs_in_flight."""
         num_seqs = sum(r.params.num_seqs for r in requests)
         is_queued = not requests or requests[0].priority == Priority.INTERACTIVE
-        if is_queued:
+        if is_queued:  # Batch API lines are counted, never refused
             self.check_capacity(num_seqs)
-        limit = self.limits.max_logprobs_in_flight
-        over = limit is not None and self.logprobs_in_flight + logprobs > limit
-        if logprobs and over and is_queued:  # Batch API lines are counted, never refused
-            raise APIError(
-                429,
-                f"the responses in flight may hold {self.logprobs_in_flight} logprobs of the"
-                f" {limit} the server allows, and this one {logprobs}; retry later, or stream it",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
+            self.check_logprobs_room(logprobs)
         admission = _Admission(self, len(requests), num_seqs, is_queued, logprobs)
         return ClosingGenerator(self._run(requests, record, admission), admission.aclose)
 
