@@ -106,15 +106,14 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
         api_id = new_id(self.id_prefix)
         if params.structured_outputs is not None:
             body_size = None  # compiling a constraint is not cheap: a worker thread, any size
-        prompts, engine_requests = await off_loop(
+        prompts, engine_requests, logprobs = await off_loop(
             body_size, self._prepare, request, params, api_id, priority
         )
         record = record or RequestRecord(request_id=api_id)
         as_ids = bool(getattr(request, "return_tokens_as_token_ids", False))
         job = Job(
             api_id, int(time.time()), request, prompts, params.n, record,
-            TokenNames(self.client.tokenizer, as_ids),
-            self.whole_logprobs(request, params, prompts),
+            TokenNames(self.client.tokenizer, as_ids), logprobs,
         )  # fmt: skip
         record.api_id, record.num_prompts = api_id, len(prompts)
         if params.prediction is not None:
@@ -134,8 +133,9 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
 
     def _prepare(
         self, request: RequestT, params: SamplingParams, api_id: str, priority: Priority
-    ) -> tuple[list[Prompt], list[EngineRequest]]:
-        """Tokenize (through the chat template) and pass the engine's front door: the heavy part."""
+    ) -> tuple[list[Prompt], list[EngineRequest], int]:
+        """Tokenize (through the chat template) and pass the engine's front door: the heavy part.
+        Also the logprob entries the whole response could hold (whole_logprobs)."""
         prompts = self.prompts(request)
         try:
             prediction = getattr(request, "prediction", None)
@@ -144,9 +144,10 @@ class ServingBase(Generic[RequestT, ResponseT, ChunkT]):
             self.adapt(params, prompts)
             if entries := self.whole_logprobs(request, params, prompts):
                 self.client.check_logprobs(entries, self.logprobs_param(request, params))
-            return prompts, self.client.process(
+            engine_requests = self.client.process(
                 api_id, prompts, params, self.prompt_param, priority
             )
+            return prompts, engine_requests, entries
         except BaseException:
             # NOTE: free rejected token ids here, one list at a time: the traceback would keep
             # them until the event loop drops the error, and freeing millions of ids in one go

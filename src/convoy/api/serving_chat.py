@@ -113,7 +113,7 @@ class ChatServing(ServingBase[ChatCompletionRequest, ChatCompletionResponse, Cha
         params: SamplingParams,
         api_id: str,
         priority: Priority,
-    ) -> tuple[list[Prompt], list[EngineRequest]]:
+    ) -> tuple[list[Prompt], list[EngineRequest], int]:
         try:
             return super()._prepare(request, params, api_id, priority)
         except StructuredOutputsError as e:
